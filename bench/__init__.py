@@ -1,0 +1,1 @@
+"""Benchmarks, load generation, experiments and reports."""

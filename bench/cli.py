@@ -1,0 +1,34 @@
+"""`pdserve bench ...` subcommands."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_bench_parser(sub) -> None:
+    parser = sub.add_parser("bench", help="benchmarks (see docs/benchmarks.md)")
+    kinds = parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    engine = kinds.add_parser(
+        "engine",
+        help="decode and prefill throughput of the engine vs transformers, same run",
+        description="Decode tokens/s at several batch sizes and prefill tokens/s, next to "
+        "transformers generate (batch 1 and batched) and transformers continuous batching, "
+        "plus the batch-1 step time against the memory roofline.",
+    )
+    engine.add_argument("--model", default="demo")
+    engine.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    engine.add_argument(
+        "--batch-sizes", default="1,4,16,64", help="comma-separated decode batch sizes"
+    )
+    engine.add_argument("--prompt-len", type=int, default=256)
+    engine.add_argument("--decode-steps", type=int, default=32)
+    engine.add_argument("--threads", type=int, default=None)
+    engine.add_argument("--skip-transformers", action="store_true", help="only our engine")
+    engine.add_argument("--json", default=None, help="also write results to this JSON file")
+    engine.set_defaults(func=_run_engine_bench)
+
+
+def _run_engine_bench(args: argparse.Namespace) -> int:
+    from bench.engine_bench import run_engine_bench
+
+    return run_engine_bench(args)

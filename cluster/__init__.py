@@ -1,0 +1,1 @@
+"""Cluster layer: config, controller, router, HTTP frontend, metrics and the CLI."""

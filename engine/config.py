@@ -1,0 +1,77 @@
+"""Engine configuration: how big the KV pool is and how work is batched."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from engine.platform import auto_dtype
+
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Sizing and batching knobs of one engine instance (one worker)."""
+
+    model: str = "demo"
+    """`demo` (SmolLM2-135M-Instruct) or a local HF model directory."""
+    dtype: DType = "auto"
+    """Weights and KV dtype; `auto` is bfloat16 on GPUs and AMX/AVX512-BF16 CPUs, else float32."""
+    device: str = "cpu"
+    """Torch device for weights and KV (`cpu`, `cuda`, `cuda:1`)."""
+    block_size: int = 16
+    """Tokens per KV block."""
+    num_kv_blocks: int = 1024
+    """Blocks in the KV pool (capacity = num_kv_blocks * block_size tokens)."""
+    max_num_seqs: int = 64
+    """Most sequences in one decode batch."""
+    max_batch_tokens: int = 2048
+    """Most tokens (prefill chunks plus decode tokens) in one forward pass."""
+    prefill_chunk_size: int = 512
+    """Longest prefill piece of one prompt per step; longer prompts are chunked."""
+    max_model_len: int | None = None
+    """Longest prompt + output; defaults to the model's context window."""
+    num_threads: int | None = None
+    """torch intra-op threads for this engine; None leaves torch's default."""
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in TORCH_DTYPES:
+            raise ValueError(
+                f"dtype must be 'auto' or one of {sorted(TORCH_DTYPES)}, got {self.dtype!r}"
+            )
+        positive = {
+            "block_size": self.block_size,
+            "num_kv_blocks": self.num_kv_blocks,
+            "max_num_seqs": self.max_num_seqs,
+            "max_batch_tokens": self.max_batch_tokens,
+            "prefill_chunk_size": self.prefill_chunk_size,
+        }
+        for name, value in positive.items():
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.prefill_chunk_size > self.max_batch_tokens:
+            raise ValueError(
+                f"prefill_chunk_size ({self.prefill_chunk_size}) must not exceed "
+                f"max_batch_tokens ({self.max_batch_tokens})"
+            )
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.num_threads is not None and self.num_threads <= 0:
+            raise ValueError(f"num_threads must be positive, got {self.num_threads}")
+
+    @property
+    def resolved_dtype(self) -> str:
+        return auto_dtype(self.device) if self.dtype == "auto" else self.dtype
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return TORCH_DTYPES[self.resolved_dtype]

@@ -1,0 +1,22 @@
+"""Every environment variable pdserve reads, declared once with its type and default."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def model_cache_dir() -> Path:
+    """PDSERVE_MODEL_CACHE: where converted models live (default ~/.cache/pdserve/models)."""
+    default = Path.home() / ".cache" / "pdserve" / "models"
+    return Path(os.environ.get("PDSERVE_MODEL_CACHE", default)).expanduser()
+
+
+def api_key() -> str | None:
+    """PDSERVE_API_KEY: when set, the HTTP frontend requires `Authorization: Bearer <key>`."""
+    return os.environ.get("PDSERVE_API_KEY") or None
+
+
+def cluster_token() -> str | None:
+    """PDSERVE_CLUSTER_TOKEN: shared secret for worker-to-worker KV endpoints."""
+    return os.environ.get("PDSERVE_CLUSTER_TOKEN") or None

@@ -1,0 +1,101 @@
+"""The paged KV pool: one tensor holding every block of every layer.
+
+Layout (block-major, so one block of one request is one contiguous byte range,
+which is what the KV transfer layer ships, checksums and copies):
+
+    kv[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+        index 2: 0 = keys, 1 = values
+
+A sequence's token at position p lives in block `block_table[p // block_size]`,
+slot `p % block_size`. Block ids are local to one pool: a transfer reads blocks by
+the sender's ids and writes them under the receiver's ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.model_spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Everything a peer must agree on before it can accept our blocks."""
+
+    model_id: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def block_numel(self) -> int:
+        n = 1
+        for dim in self.block_shape:
+            n *= dim
+        return n
+
+    @property
+    def block_nbytes(self) -> int:
+        return self.block_numel * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+    @classmethod
+    def for_model(cls, spec: ModelSpec, dtype: torch.dtype, block_size: int) -> KVLayout:
+        return cls(
+            model_id=spec.model_id,
+            dtype=str(dtype).removeprefix("torch."),
+            num_layers=spec.num_layers,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            block_size=block_size,
+        )
+
+
+class KVCachePool:
+    """Storage of the paged KV cache; allocation lives in `BlockAllocator`."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int, device: str = "cpu"):
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.kv = torch.zeros(
+            (num_blocks, *layout.block_shape),
+            dtype=getattr(torch, layout.dtype),
+            device=device,
+        )
+
+    @property
+    def block_size(self) -> int:
+        return self.layout.block_size
+
+    def layer_view(self, layer: int, kind: int) -> torch.Tensor:
+        """[num_blocks, block_size, kv_heads, head_dim] strided view of keys (0) or values (1)."""
+        return self.kv[:, layer, kind]
+
+    def write_slots(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, k, v) -> None:
+        """Store new keys/values [T, kv_heads, head_dim] at (block, offset) slots."""
+        self.kv[:, layer, 0][blocks, offsets] = k
+        self.kv[:, layer, 1][blocks, offsets] = v
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Copy of the given blocks: [n, num_layers, 2, block_size, kv_heads, head_dim]."""
+        index = torch.as_tensor(block_ids, dtype=torch.long, device=self.kv.device)
+        return self.kv.index_select(0, index)
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Overwrite the given blocks with `data` shaped like `read_blocks` returns."""
+        expected = (len(block_ids), *self.layout.block_shape)
+        if tuple(data.shape) != expected:
+            raise ValueError(f"block data has shape {tuple(data.shape)}, expected {expected}")
+        index = torch.as_tensor(block_ids, dtype=torch.long, device=self.kv.device)
+        self.kv.index_copy_(0, index, data.to(device=self.kv.device, dtype=self.kv.dtype))
+
+    def block_view(self, block_id: int) -> torch.Tensor:
+        """The live storage of one block (no copy): transports read and write through it."""
+        return self.kv[block_id]

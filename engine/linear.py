@@ -1,0 +1,23 @@
+"""The projection used by every layer: y = x @ W^T (+ b), picked per batch shape.
+
+On CPU, BLAS sgemm is 1.5-3x slower for a short, wide activation (x of a few rows)
+as the left operand than for the same product computed as (W @ x^T)^T, measured on
+this project's machines (docs/benchmarks.md). Decode batches are exactly that shape,
+so small batches take the transposed route; prefill-sized batches keep F.linear.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+SMALL_BATCH_ROWS = 128
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if x.shape[0] > SMALL_BATCH_ROWS or x.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    out = torch.mm(weight, x.t()).t()
+    if bias is not None:
+        out = out + bias
+    return out.contiguous()

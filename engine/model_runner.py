@@ -1,0 +1,99 @@
+"""Turns a list of scheduled chunks into one packed forward step and its logits.
+
+Decode pieces (one token) go first and are attended in one batched call; prefill
+pieces follow, each attending to its own cached context. Logits are computed only
+for sequences whose piece reaches their last known token, since only they sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionMetadata, PrefillChunk
+from engine.kv_cache import KVCachePool
+from engine.model import LlamaForward
+from engine.scheduler import ScheduledChunk
+from engine.sequence import Sequence
+
+
+@dataclass
+class StepResult:
+    logits: torch.Tensor
+    """[len(sampling_seqs), vocab] float32."""
+    sampling_seqs: list[Sequence]
+
+
+class ModelRunner:
+    """Owned by an engine; `run` is called once per step with the scheduler's chunks."""
+
+    def __init__(self, model: LlamaForward, kv_pool: KVCachePool):
+        self.model = model
+        self.kv_pool = kv_pool
+        self.device = model.device
+
+    def run(self, chunks: list[ScheduledChunk]) -> StepResult:
+        decode = [c for c in chunks if c.num_new_tokens == 1]
+        prefill = [c for c in chunks if c.num_new_tokens > 1]
+        ordered = decode + prefill
+        tokens, positions, slot_blocks, slot_offsets = [], [], [], []
+        logits_rows, sampling_seqs = [], []
+        block_size = self.kv_pool.block_size
+        for chunk in ordered:
+            seq, start = chunk.seq, chunk.seq.num_computed_tokens
+            end = start + chunk.num_new_tokens
+            tokens += seq.token_slice(start, end)
+            span = range(start, end)
+            positions += span
+            slot_blocks += [seq.block_ids[p // block_size] for p in span]
+            slot_offsets += [p % block_size for p in span]
+            if end == seq.num_tokens:
+                logits_rows.append(len(tokens) - 1)
+                sampling_seqs.append(seq)
+        meta = AttentionMetadata(
+            slot_blocks=self._tensor(slot_blocks),
+            slot_offsets=self._tensor(slot_offsets),
+            num_decode_tokens=len(decode),
+        )
+        if decode:
+            meta.decode_block_tables, meta.decode_context_lens = self._decode_tables(decode)
+        meta.prefill_chunks = self._prefill_chunks(prefill, first_row=len(decode))
+        logits = self.model.forward(
+            self._tensor(tokens),
+            self._tensor(positions),
+            meta,
+            self.kv_pool,
+            self._tensor(logits_rows),
+        )
+        return StepResult(logits=logits, sampling_seqs=sampling_seqs)
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _decode_tables(self, decode: list[ScheduledChunk]):
+        block_size = self.kv_pool.block_size
+        context_lens = [c.seq.num_computed_tokens + 1 for c in decode]
+        width = max((n + block_size - 1) // block_size for n in context_lens)
+        tables = [
+            c.seq.block_ids[:width] + [0] * (width - len(c.seq.block_ids[:width])) for c in decode
+        ]
+        return self._tensor(tables), self._tensor(context_lens)
+
+    def _prefill_chunks(self, prefill: list[ScheduledChunk], first_row: int) -> list[PrefillChunk]:
+        block_size = self.kv_pool.block_size
+        pieces, row = [], first_row
+        for chunk in prefill:
+            seq = chunk.seq
+            context_len = seq.num_computed_tokens + chunk.num_new_tokens
+            num_blocks = (context_len + block_size - 1) // block_size
+            pieces.append(
+                PrefillChunk(
+                    query_start=row,
+                    query_len=chunk.num_new_tokens,
+                    context_start=seq.num_computed_tokens,
+                    block_table=self._tensor(seq.block_ids[:num_blocks]),
+                )
+            )
+            row += chunk.num_new_tokens
+        return pieces

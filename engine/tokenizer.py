@@ -1,0 +1,42 @@
+"""Tokenizer and chat template of a local model directory (never the network)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+
+class Tokenizer:
+    """Wraps a HF tokenizer with the few calls the server needs."""
+
+    def __init__(self, model_dir: str | Path):
+        self.model_dir = Path(model_dir)
+        self.hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        self.eos_token_ids = frozenset(self._eos_ids())
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        if self.hf.eos_token_id is not None:
+            ids.add(int(self.hf.eos_token_id))
+        generation_config = self.model_dir / "generation_config.json"
+        if generation_config.is_file():
+            eos = json.loads(generation_config.read_text()).get("eos_token_id")
+            ids.update([eos] if isinstance(eos, int) else (eos or []))
+        return ids
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=True))
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """Prompt token ids for a chat, with the assistant turn opened."""
+        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.hf.decode(token_ids, skip_special_tokens=True)

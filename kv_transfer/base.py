@@ -1,0 +1,176 @@
+"""The contract between workers and KV transports. Read this before any transport.
+
+Lifecycle of one request's KV, prefill side (sender) to decode side (receiver):
+
+    prefill worker                                decode worker
+    --------------                                -------------
+    engine finishes the prompt, takes the blocks
+    ticket = sender.export(request_id, ...)  ---> ticket (plain JSON-able dataclass,
+      blocks pinned under a lease                  travels in the Ray call / RPC)
+                                                  dst = engine.reserve_blocks(...)
+                                                  result = receiver.fetch(ticket, dst)
+      (heartbeats extend the lease)  <---------   ... bytes move over the transport ...
+    sender.ack(request_id) on success  <-------   result.state == DONE -> engine.add_prefilled
+      blocks come back via poll_released()        on failure: engine.release_blocks(dst)
+    lease expiry / abort also release them
+
+Thread-safety rule: transports and the ownership registry never touch a
+`BlockAllocator`. Block ids to free come back to the owning worker through
+`KVSender.poll_released()`, which the worker's engine loop calls and frees itself.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+
+from engine.kv_cache import KVCachePool, KVLayout
+
+
+class TransferState(enum.IntEnum):
+    """Ordered: anything below PENDING is terminal failure, DONE is terminal success."""
+
+    FAILED = 0
+    ABORTED = 1
+    EXPIRED = 2
+    PENDING = 3
+    TRANSFERRING = 4
+    DONE = 5
+
+
+class FailureReason(str, enum.Enum):
+    TIMEOUT = "timeout"
+    CHECKSUM = "checksum"
+    PEER_DIED = "peer_died"
+    LAYOUT_MISMATCH = "layout_mismatch"
+    UNKNOWN_REQUEST = "unknown_request"
+    UNAUTHORIZED = "unauthorized"
+    DROPPED = "dropped"
+    INTERNAL = "internal"
+
+
+@dataclass(frozen=True)
+class ExportTicket:
+    """What a receiver needs to pull one request's blocks. JSON-able, never pickled on a wire."""
+
+    request_id: str
+    sender_id: str
+    sender_endpoint: dict
+    """Transport-specific address info from `KVSender.endpoint()`."""
+    layout: dict
+    """`asdict(KVLayout)` of the sender's pool; the receiver refuses a mismatch."""
+    block_ids: list[int]
+    """Sender-side block ids, in sequence order."""
+    num_tokens: int
+    """Tokens of KV the blocks hold (the prompt length)."""
+    checksums: list[int] = field(default_factory=list)
+    """One per block, computed at export; verified by the receiver."""
+    lease_ttl_s: float = 30.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ExportTicket:
+        return cls(**data)
+
+
+@dataclass
+class TransferResult:
+    """Outcome of one fetch, reported by the receiver; failures come back as data."""
+
+    request_id: str
+    state: TransferState
+    transport: str
+    """The transport that actually moved the bytes (never a silent fallback)."""
+    num_bytes: int = 0
+    seconds: float = 0.0
+    reason: FailureReason | None = None
+    message: str = ""
+    failed_blocks: list[int] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.state == TransferState.DONE
+
+
+class KVTransferError(Exception):
+    """A transfer failed; carries the request id, the peer and the reason."""
+
+    def __init__(self, message: str, request_id: str, peer: str, reason: FailureReason):
+        self.request_id = request_id
+        self.peer = peer
+        self.reason = reason
+        super().__init__(
+            f"[request {request_id}] KV transfer with {peer} failed ({reason.value}): {message}"
+        )
+
+
+class KVSender(ABC):
+    """Lives in a prefill worker process; one per worker, created at worker start."""
+
+    name: str
+
+    def __init__(self, worker_id: str, pool: KVCachePool):
+        self.worker_id = worker_id
+        self.pool = pool
+
+    @abstractmethod
+    def endpoint(self) -> dict:
+        """Address info a receiver uses to reach us; put into every ticket."""
+
+    @abstractmethod
+    def export(
+        self, request_id: str, block_ids: list[int], num_tokens: int, peer_id: str
+    ) -> ExportTicket:
+        """Called by the prefill worker once per request after prefill; pins the blocks
+        under a lease until ack, lease expiry or abort."""
+
+    @abstractmethod
+    def ack(self, request_id: str) -> None:
+        """Called when the receiver reports success; releases the blocks exactly once."""
+
+    @abstractmethod
+    def abort(self, request_id: str) -> None:
+        """Called when the request is cancelled or its receiver died; releases the blocks."""
+
+    @abstractmethod
+    def poll_released(self) -> list[list[int]]:
+        """Called by the worker's engine loop; returns block-id lists it must free now."""
+
+    def close(self) -> None:
+        """Called once at worker shutdown."""
+
+
+class KVReceiver(ABC):
+    """Lives in a decode worker process; one per worker."""
+
+    name: str
+
+    def __init__(self, worker_id: str, pool: KVCachePool):
+        self.worker_id = worker_id
+        self.pool = pool
+
+    @abstractmethod
+    def fetch(
+        self, ticket: ExportTicket, dst_block_ids: list[int], timeout_s: float
+    ) -> TransferResult:
+        """Called by the decode worker after reserving `dst_block_ids`; blocks until the
+        blocks are written (DONE) or the transfer failed. Never raises for transfer
+        failures: they come back as a result with state < PENDING and a reason. On
+        failure the caller frees `dst_block_ids`."""
+
+    def close(self) -> None:
+        """Called once at worker shutdown."""
+
+
+def check_layout(ticket: ExportTicket, local: KVLayout, peer: str) -> None:
+    """Receivers call this first: refuse blocks of another model, dtype or shape."""
+    if ticket.layout != asdict(local):
+        raise KVTransferError(
+            f"layout {ticket.layout} does not match local {asdict(local)}",
+            ticket.request_id,
+            peer,
+            FailureReason.LAYOUT_MISMATCH,
+        )
