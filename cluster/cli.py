@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _generate_parser(sub)
+    from cluster.serve import add_serve_parser
+
+    add_serve_parser(sub)
     _model_parser(sub)
     from bench.cli import add_bench_parser
 

@@ -61,14 +61,32 @@ class KVLayout:
 class KVCachePool:
     """Storage of the paged KV cache; allocation lives in `BlockAllocator`."""
 
-    def __init__(self, layout: KVLayout, num_blocks: int, device: str = "cpu"):
+    def __init__(
+        self, layout: KVLayout, num_blocks: int, device: str = "cpu", shm_path: str | None = None
+    ):
         self.layout = layout
         self.num_blocks = num_blocks
+        self.shm_path: str | None = None
         self.kv = torch.zeros(
             (num_blocks, *layout.block_shape),
             dtype=getattr(torch, layout.dtype),
             device=device,
         )
+        if shm_path is not None:
+            self.move_to_shared_memory(shm_path)
+
+    def move_to_shared_memory(self, path: str) -> None:
+        """Re-home the pool in a shared file (e.g. under /dev/shm) that a peer process on
+        this node can map; called by the `shm` KV sender at worker start. Contents are kept;
+        views taken before this call keep pointing at the old storage."""
+        if self.kv.device.type != "cpu":
+            raise ValueError("only a CPU pool can live in shared memory")
+        shared = torch.from_file(path, shared=True, size=self.kv.numel(), dtype=self.kv.dtype).view(
+            self.kv.shape
+        )
+        shared.copy_(self.kv)
+        self.kv = shared
+        self.shm_path = path
 
     @property
     def block_size(self) -> int:

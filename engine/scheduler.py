@@ -11,6 +11,7 @@ freed and it waits to be recomputed, rather than failing.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -70,6 +71,8 @@ class Scheduler:
             self.waiting.popleft()
             seq.block_ids += self.allocator.allocate(extra, seq.request_id)
             seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_at is None:
+                seq.first_scheduled_at = time.time()
             self.running.append(seq)
             chunks.append(ScheduledChunk(seq, num_new))
             budget -= num_new

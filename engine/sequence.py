@@ -32,6 +32,8 @@ class Sequence:
     stop_after_prefill: bool = False
     """Prefill workers set this: the sequence leaves the engine after its first token."""
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_at: float | None = None
+    """Wall-clock time the scheduler first gave this sequence compute (queue wait ends)."""
     detokenizer: IncrementalDetokenizer | None = None
     output_text: str = ""
     emitted_text_len: int = 0

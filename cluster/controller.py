@@ -1,0 +1,147 @@
+"""Starts Ray (or joins it), places the worker pools, and watches them.
+
+Placement: each node advertises a custom resource per pool (`prefill_pool`,
+`decode_pool`); a prefill actor asks for one unit of `prefill_pool` (plus GPUs on
+GPU pools), so it can only land on a node of that pool. The embedded local cluster
+advertises both pools. Workers are named actors in the `pdserve` namespace.
+
+Watching: every `health_interval_s` the controller calls `check_health` on every
+worker and waits at most `health_timeout_s`; an error or a timeout marks the worker
+dead at once, so the router stops picking it. (Restarts build on this: see
+docs/operations.md.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from cluster.config import ClusterConfig
+from cluster.router import WorkerInfo
+from decode_worker.worker import DecodeWorker
+from prefill_worker.worker import PrefillWorker
+
+logger = logging.getLogger(__name__)
+
+POOL_RESOURCES = {"prefill": "prefill_pool", "decode": "decode_pool", "colocated": "decode_pool"}
+_LOCAL_POOL_CAPACITY = 64
+
+
+class Controller:
+    """Owned by the cluster object in the driver (the HTTP frontend's process)."""
+
+    def __init__(self, config: ClusterConfig):
+        self.config = config
+        self.workers: dict[str, WorkerInfo] = {}
+        self.started_ray = False
+        self.watch_task: asyncio.Task | None = None
+
+    # --- start / stop ---------------------------------------------------------------
+
+    def init_ray(self) -> None:
+        if ray.is_initialized():
+            return
+        if self.config.address:
+            ray.init(
+                address=self.config.address, namespace=self.config.namespace, log_to_driver=False
+            )
+        else:
+            ray.init(
+                namespace=self.config.namespace,
+                num_cpus=os.cpu_count(),
+                resources={
+                    "prefill_pool": _LOCAL_POOL_CAPACITY,
+                    "decode_pool": _LOCAL_POOL_CAPACITY,
+                },
+                include_dashboard=False,
+                log_to_driver=False,
+            )
+            self.started_ray = True
+
+    async def start(self) -> None:
+        self.init_ray()
+        for role, index in self._planned_workers():
+            worker_id = f"{role}-{index}"
+            self.workers[worker_id] = WorkerInfo(worker_id, role, self._spawn(worker_id, role))
+        await asyncio.gather(*(self._first_health(w) for w in self.workers.values()))
+        self.watch_task = asyncio.get_running_loop().create_task(self._watch())
+
+    def _planned_workers(self) -> list[tuple[str, int]]:
+        """(role, index within role) of every worker to start."""
+        if self.config.mode == "colocated":
+            return [("colocated", i) for i in range(self.config.decode_workers)]
+        return [("prefill", i) for i in range(self.config.prefill_workers)] + [
+            ("decode", i) for i in range(self.config.decode_workers)
+        ]
+
+    def _spawn(self, worker_id: str, role: str):
+        threads = str(self.config.threads_per_worker)
+        options = dict(
+            name=f"pdserve-{worker_id}",
+            namespace=self.config.namespace,
+            resources={POOL_RESOURCES[role]: 1},
+            num_cpus=0,
+            num_gpus=self.config.gpus_per_worker,
+            max_concurrency=1000,
+            # Keep BLAS/OpenMP pools at the configured size: workers share the cores.
+            runtime_env={"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}},
+        )
+        if role == "prefill":
+            return ray.remote(PrefillWorker).options(**options).remote(worker_id, self.config)
+        return ray.remote(DecodeWorker).options(**options).remote(worker_id, self.config, role)
+
+    async def _first_health(self, worker: WorkerInfo) -> None:
+        worker.load = await worker.handle.check_health.remote()
+        logger.info("worker %s ready: %s", worker.worker_id, worker.load)
+
+    async def shutdown(self) -> None:
+        if self.watch_task is not None:
+            self.watch_task.cancel()
+        for worker in self.workers.values():
+            # A dead or stuck worker is killed below either way.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(worker.handle.shutdown.remote(), timeout=5)
+            ray.kill(worker.handle, no_restart=True)
+        self.workers.clear()
+        if self.started_ray:
+            ray.shutdown()
+            self.started_ray = False
+
+    # --- watching ---------------------------------------------------------------------
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            await asyncio.gather(*(self.probe(w) for w in list(self.workers.values()) if w.alive))
+
+    async def probe(self, worker: WorkerInfo) -> bool:
+        """One health call; marks the worker dead on error or timeout."""
+        try:
+            worker.load = await asyncio.wait_for(
+                worker.handle.check_health.remote(), timeout=self.config.health_timeout_s
+            )
+            return True
+        except (RayActorError, GetTimeoutError, asyncio.TimeoutError, RuntimeError) as exc:
+            self.mark_dead(worker, repr(exc))
+            return False
+
+    def mark_dead(self, worker: WorkerInfo, why: str) -> None:
+        if worker.alive:
+            logger.warning("worker %s marked dead: %s", worker.worker_id, why)
+        worker.alive = False
+
+    def live(self, role: str) -> list[WorkerInfo]:
+        return [w for w in self.workers.values() if w.role == role and w.alive]
+
+    async def debug_states(self) -> dict[str, dict]:
+        """Leak check across the cluster: per live worker, blocks used and leases held."""
+        states = {}
+        for worker in self.workers.values():
+            if worker.alive:
+                states[worker.worker_id] = await worker.handle.debug_state.remote()
+        return states

@@ -1,0 +1,73 @@
+"""Helpers for tests that start real Ray clusters on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from cluster.cluster import PDCluster
+from cluster.config import ClusterConfig
+from engine.sampling_params import SamplingParams
+from tests.factories import hf_greedy
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def tiny_cluster_config(model_dir, **overrides) -> ClusterConfig:
+    settings = dict(
+        model=str(model_dir),
+        dtype="float32",
+        block_size=8,
+        prefill_kv_blocks=256,
+        decode_kv_blocks=256,
+        prefill_chunk_size=16,
+        max_batch_tokens=64,
+        threads_per_worker=1,
+        health_interval_s=0.5,
+        transfer_timeout_s=20.0,
+    )
+    settings.update(overrides)
+    return ClusterConfig(**settings)
+
+
+def mixed_prompts(count: int = 16) -> list[list[int]]:
+    """Lengths straddle the block size (8) and the prefill chunk (16)."""
+    lengths = [3, 7, 8, 9, 15, 16, 17, 33, 40, 5, 12, 24, 31, 2, 19, 45]
+    return [
+        [(i * 7 + j * 13) % 300 + 2 for j in range(lengths[i % len(lengths)])] for i in range(count)
+    ]
+
+
+async def collect(cluster: PDCluster, prompt, params=GREEDY) -> tuple[list[int], object]:
+    tokens, last = [], None
+    async for chunk in cluster.generate(prompt, params):
+        tokens += chunk.token_ids
+        last = chunk
+    return tokens, last
+
+
+async def generate_all(cluster: PDCluster, prompts, params=GREEDY) -> list[list[int]]:
+    results = await asyncio.gather(*(collect(cluster, p, params) for p in prompts))
+    return [tokens for tokens, _ in results]
+
+
+def reference_outputs(model_dir, prompts, max_tokens: int = 12) -> list[list[int]]:
+    return [hf_greedy(model_dir, p, max_tokens)[0] for p in prompts]
+
+
+async def assert_cluster_leak_free(cluster: PDCluster, wait_s: float = 5.0) -> None:
+    """Every live worker: no KV block in use, no lease outstanding, no sequence left.
+    Acks travel asynchronously, so give them a moment to land."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        states = await cluster.controller.debug_states()
+        leaked = {
+            worker: state
+            for worker, state in states.items()
+            if state.get("used_blocks") or state.get("outstanding_leases") or state.get("sequences")
+        }
+        if not leaked:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"KV blocks or leases leaked: {leaked}")
+        await asyncio.sleep(0.1)

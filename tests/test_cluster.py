@@ -1,0 +1,99 @@
+"""Real Ray actors on loopback: disaggregated == colocated == transformers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import ray
+
+from cluster.cluster import PDCluster
+from tests.cluster_helpers import (
+    assert_cluster_leak_free,
+    generate_all,
+    mixed_prompts,
+    reference_outputs,
+    tiny_cluster_config,
+)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir):
+    prompts = mixed_prompts(16)
+    return prompts, reference_outputs(tiny_llama_dir, prompts)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_session():
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def run_cluster(config, scenario):
+    async def main():
+        cluster = await PDCluster(config).start()
+        try:
+            return await scenario(cluster)
+        finally:
+            await cluster.shutdown()
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    "mode,transport",
+    [
+        ("colocated", "local"),
+        ("disaggregated", "shm"),
+        ("disaggregated", "collective"),
+        ("disaggregated", "grpc"),
+    ],
+)
+def test_16_concurrent_greedy_requests_match_transformers(
+    tiny_llama_dir, reference, mode, transport
+):
+    prompts, expected = reference
+    config = tiny_cluster_config(tiny_llama_dir, mode=mode, transport=transport)
+
+    async def scenario(cluster):
+        outputs = await generate_all(cluster, prompts)
+        await assert_cluster_leak_free(cluster)
+        return outputs
+
+    assert run_cluster(config, scenario) == expected
+
+
+def test_more_requests_than_the_decode_pool_holds_all_complete(tiny_llama_dir, reference):
+    prompts, expected = reference
+    # 10 blocks of 8 tokens: room for two or three sequences at a time, 16 arrive at once.
+    config = tiny_cluster_config(tiny_llama_dir, transport="shm", decode_kv_blocks=10)
+
+    async def scenario(cluster):
+        outputs = await generate_all(cluster, prompts)
+        await assert_cluster_leak_free(cluster)
+        return outputs
+
+    assert run_cluster(config, scenario) == expected
+
+
+def test_workers_use_the_configured_thread_count_and_report_timings(tiny_llama_dir, reference):
+    prompts, _ = reference
+    config = tiny_cluster_config(tiny_llama_dir, transport="shm", threads_per_worker=1)
+
+    async def scenario(cluster):
+        loads = [await w.handle.check_health.remote() for w in cluster.controller.workers.values()]
+        from tests.cluster_helpers import collect
+
+        _, last = await collect(cluster, prompts[7])
+        return loads, last.timings
+
+    loads, timings = run_cluster(config, scenario)
+    assert [load["num_threads"] for load in loads] == [1, 1]
+    assert timings["transport"] == "shm"
+    assert timings["kv_bytes"] > 0
+    assert timings["prefill_worker"] == "prefill-0" and timings["decode_worker"] == "decode-0"
+    for phase in ("prefill_queue_s", "prefill_s", "kv_transfer_s", "ttft_s", "decode_s", "e2e_s"):
+        assert timings[phase] is not None and timings[phase] >= 0, phase
