@@ -38,8 +38,8 @@ $(VENV)/.stamp-model: $(VENV)/.stamp-deps
 
 setup: $(VENV)/.stamp-model
 
-# Until the HTTP frontend exists, serving means one streamed generation.
-serve: generate
+serve: setup
+	$(BIN)/pdserve serve $(SERVE_ARGS)
 
 generate: setup
 	$(BIN)/pdserve generate --model demo --chat --prompt "What is the capital of France?" --max-tokens 32 --temperature 0

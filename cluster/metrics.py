@@ -7,10 +7,19 @@ finish, worker gauges (KV blocks, queue depth, liveness) at scrape time.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import GaugeMetricFamily
 
 from cluster.timeline import RequestTimeline
+
+# `_created` series double the exposition and no dashboard reads them.
+disable_created_metrics()
 
 # Latency buckets spanning sub-millisecond token gaps to minute-long generations.
 LATENCY_BUCKETS = (

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+import signal
 
 import uvicorn
 
@@ -100,12 +102,29 @@ async def _serve(config: ClusterConfig, settings: FrontendSettings, host: str, p
     await cluster.start()
     try:
         app = build_app(cluster, settings)
-        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+        server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
         app.router.on_startup.append(lambda: _announce(host, port, cluster.model_id))
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, server.request_exit)
         await server.serve()
     finally:
         logger.info("shutting down workers")
         await cluster.shutdown()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn re-raises SIGINT/SIGTERM after serving, which would kill this process
+    before the workers and Ray are shut down; here the signals only stop serving."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+    def request_exit(self) -> None:
+        if self.should_exit:
+            self.force_exit = True
+        self.should_exit = True
 
 
 def _pools(config: ClusterConfig) -> str:

@@ -38,3 +38,12 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.token_ids)
         self.text += delta
         return delta
+
+    def flush(self) -> str:
+        """At the end of a request: whatever is still held back, even an incomplete character."""
+        prefix_text = self.tokenizer.decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full_text = self.tokenizer.decode(self.token_ids[self.prefix_offset :])
+        delta = full_text[len(prefix_text) :] if full_text.startswith(prefix_text) else ""
+        self.prefix_offset = self.read_offset = len(self.token_ids)
+        self.text += delta
+        return delta

@@ -209,6 +209,8 @@ class LLMEngine:
         seq.output_text += seq.detokenizer.push(token_id)
         reason = self._finish_reason(seq, token_id)
         prefilled = False
+        if reason is not None and not seq.params.stop:
+            seq.output_text += seq.detokenizer.flush()
         if reason is not None:
             self._finish(seq, reason)
         elif seq.stop_after_prefill:

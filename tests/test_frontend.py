@@ -1,0 +1,340 @@
+"""A live `pdserve serve` on loopback, driven by the official openai SDK and raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import requests
+
+from tests.factories import hf_greedy
+from tests.server_process import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "test-key"
+MAX_IN_FLIGHT = 16
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir):
+    args = [
+        "--model",
+        str(tiny_llama_dir),
+        "--dtype",
+        "float32",
+        "--transport",
+        "shm",
+        "--block-size",
+        "8",
+        "--decode-kv-blocks",
+        "1200",
+        "--max-model-len",
+        "512",
+        "--api-key",
+        API_KEY,
+        "--max-in-flight",
+        str(MAX_IN_FLIGHT),
+    ]
+    process = ServerProcess(args)
+    yield process
+    leftovers = process.stop()
+    assert process.proc.returncode == 0, process.output()
+    assert not leftovers, f"processes left after SIGTERM: {[p.pid for p in leftovers]}"
+
+
+@pytest.fixture(scope="module")
+def model_id(tiny_llama_dir):
+    return tiny_llama_dir.name
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture
+def tokenizer(tiny_llama_dir):
+    from engine.tokenizer import Tokenizer
+
+    return Tokenizer(tiny_llama_dir)
+
+
+def reference_text(tiny_llama_dir, tokenizer, prompt_ids, max_tokens):
+    tokens = hf_greedy(tiny_llama_dir, prompt_ids, max_tokens)[0]
+    return tokenizer.decode(tokens), tokens
+
+
+def test_completion_non_streaming_equals_transformers(client, model_id, tiny_llama_dir, tokenizer):
+    prompt = "The quick brown fox"
+    expected, tokens = reference_text(tiny_llama_dir, tokenizer, tokenizer.encode(prompt), 12)
+
+    response = client.completions.create(
+        model=model_id, prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
+
+    assert response.choices[0].text == expected
+    assert response.choices[0].finish_reason == "length"
+    assert response.usage.prompt_tokens == len(tokenizer.encode(prompt))
+    assert response.usage.completion_tokens == len(tokens) == 12
+    timings = response.model_extra["pdserve_timings"]
+    assert timings["transport"] == "shm" and timings["kv_bytes"] > 0
+
+
+def test_chat_streaming_equals_transformers_with_usage(client, model_id, tiny_llama_dir, tokenizer):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Paged attention"}]}]
+    prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": "Paged attention"}])
+    expected, _ = reference_text(tiny_llama_dir, tokenizer, prompt_ids, 10)
+
+    stream = client.chat.completions.create(
+        model=model_id,
+        messages=messages,
+        max_completion_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+
+    content_chunks = [c for c in chunks if c.choices]
+    assert content_chunks[0].choices[0].delta.content, "first chunk must carry the first token"
+    assert content_chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in content_chunks) == expected
+    assert content_chunks[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.prompt_tokens == len(prompt_ids)
+    assert chunks[-1].usage.completion_tokens == 10
+
+
+def test_chat_non_streaming_and_completion_streaming(client, model_id, tiny_llama_dir, tokenizer):
+    prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": "decode"}])
+    expected, _ = reference_text(tiny_llama_dir, tokenizer, prompt_ids, 8)
+    chat = client.chat.completions.create(
+        model=model_id,
+        messages=[{"role": "user", "content": "decode"}],
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert chat.choices[0].message.content == expected
+
+    prompt = "Prefill builds the cache"
+    expected, _ = reference_text(tiny_llama_dir, tokenizer, tokenizer.encode(prompt), 8)
+    stream = client.completions.create(
+        model=model_id,
+        prompt=prompt,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    assert "".join(c.choices[0].text for c in stream) == expected
+
+
+def test_16_concurrent_streams_equal_transformers(server, model_id, tiny_llama_dir, tokenizer):
+    prompts = [f"request number {i} " + "word " * (i % 7) for i in range(16)]
+    expected = [
+        reference_text(tiny_llama_dir, tokenizer, tokenizer.encode(p), 10)[0] for p in prompts
+    ]
+
+    async def one(client, prompt):
+        stream = await client.completions.create(
+            model=model_id,
+            prompt=prompt,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        return "".join([c.choices[0].text async for c in stream])
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+        return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    assert asyncio.run(main()) == expected
+
+
+def kv_blocks_used(server) -> float:
+    text = requests.get(f"{server.url}/metrics", timeout=5).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("pdserve_kv_blocks_used{")
+    )
+
+
+def wait_for_idle_pools(server, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while kv_blocks_used(server) != 0:
+        assert time.monotonic() < deadline, "KV blocks still in use after the requests ended"
+        time.sleep(0.2)
+
+
+def test_client_disconnect_aborts_and_frees_blocks(server, client, model_id):
+    with requests.post(
+        f"{server.url}/v1/completions",
+        stream=True,
+        timeout=30,
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        json={
+            "model": model_id,
+            "prompt": "long story",
+            "max_tokens": 200,
+            "ignore_eos": True,
+            "stream": True,
+        },
+    ) as response:
+        lines = response.iter_lines()
+        received = [next(lines) for _ in range(6)]
+    assert any(line.startswith(b"data: {") for line in received)
+
+    wait_for_idle_pools(server)
+    metrics = requests.get(f"{server.url}/metrics", timeout=5).text
+    assert 'pdserve_requests_total{endpoint="completions",outcome="cancelled"} 1.0' in metrics
+    after = client.completions.create(model=model_id, prompt="next", max_tokens=4, temperature=0)
+    assert after.choices[0].finish_reason in ("length", "stop")
+
+
+def post(server, path, body, headers=None, raw=None):
+    headers = {"Authorization": f"Bearer {API_KEY}", **(headers or {})}
+    if raw is not None:
+        return requests.post(f"{server.url}{path}", data=raw, headers=headers, timeout=30)
+    return requests.post(f"{server.url}{path}", json=body, headers=headers, timeout=30)
+
+
+BAD_INPUTS = [
+    ("malformed json", "/v1/completions", None, b"{not json", 400),
+    (
+        "wrong type",
+        "/v1/completions",
+        {"model": "M", "prompt": "x", "max_tokens": "many"},
+        None,
+        400,
+    ),
+    (
+        "max_tokens zero",
+        "/v1/completions",
+        {"model": "M", "prompt": "x", "max_tokens": 0},
+        None,
+        400,
+    ),
+    (
+        "max_tokens absurd",
+        "/v1/completions",
+        {"model": "M", "prompt": "x", "max_tokens": 10**12},
+        None,
+        400,
+    ),
+    (
+        "prompt too long",
+        "/v1/completions",
+        {"model": "M", "prompt": "word " * 700, "max_tokens": 4},
+        None,
+        400,
+    ),
+    ("empty messages", "/v1/chat/completions", {"model": "M", "messages": []}, None, 400),
+    ("empty prompt", "/v1/completions", {"model": "M", "prompt": ""}, None, 400),
+    ("logprobs", "/v1/completions", {"model": "M", "prompt": "x", "logprobs": 2}, None, 400),
+    ("n=2", "/v1/completions", {"model": "M", "prompt": "x", "n": 2}, None, 400),
+    (
+        "bad role",
+        "/v1/chat/completions",
+        {"model": "M", "messages": [{"role": "wizard", "content": "x"}]},
+        None,
+        400,
+    ),
+    ("unknown model", "/v1/completions", {"model": "gpt-17", "prompt": "x"}, None, 404),
+    ("body too large", "/v1/completions", None, b'{"prompt": "' + b"x" * (5 << 20) + b'"}', 413),
+]
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_gets_openai_error_and_server_keeps_serving(server, client, model_id, case):
+    _, path, body, raw, status = case
+    if body is not None and body.get("model") == "M":
+        body = {**body, "model": model_id}
+
+    response = post(server, path, body, raw=raw)
+
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"]
+    if case[0] == "prompt too long":
+        assert "512" in error["message"]
+    good = client.completions.create(model=model_id, prompt="still alive", max_tokens=2)
+    assert good.usage.completion_tokens == 2
+
+
+def test_missing_api_key_is_401(server, model_id):
+    response = requests.post(
+        f"{server.url}/v1/completions", json={"model": model_id, "prompt": "x"}, timeout=10
+    )
+    assert response.status_code == 401
+    assert response.json()["error"]["type"] == "authentication_error"
+
+
+def test_models_and_health(server, client, model_id):
+    assert [m.id for m in client.models.list()] == [model_id]
+    health = requests.get(f"{server.url}/health", timeout=5)
+    assert health.status_code == 200
+    assert health.json()["workers"] == {"prefill": 1, "decode": 1, "colocated": 0}
+
+
+def test_overload_gets_429_with_retry_after_then_recovers(server, client, model_id):
+    """More concurrent long streams than admission slots: the excess gets 429, none hang."""
+    body = {
+        "model": model_id,
+        "prompt": "hold",
+        "max_tokens": 480,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    def open_stream(_):
+        response = requests.post(
+            f"{server.url}/v1/completions", json=body, headers=headers, stream=True, timeout=60
+        )
+        if response.status_code == 200:
+            next(response.iter_lines())
+        return response
+
+    with ThreadPoolExecutor(max_workers=MAX_IN_FLIGHT + 8) as pool:
+        responses = list(pool.map(open_stream, range(MAX_IN_FLIGHT + 8)))
+    for response in responses:
+        response.close()
+
+    statuses = sorted(r.status_code for r in responses)
+    assert set(statuses) == {200, 429} and statuses.count(200) >= MAX_IN_FLIGHT // 2, statuses
+    assert all(r.headers["Retry-After"] == "1" for r in responses if r.status_code == 429)
+    wait_for_idle_pools(server)
+    assert (
+        client.completions.create(
+            model=model_id, prompt="after", max_tokens=2
+        ).usage.completion_tokens
+        == 2
+    )
+
+
+def test_sse_wire_format_ends_with_done(server, model_id):
+    response = requests.post(
+        f"{server.url}/v1/chat/completions",
+        timeout=30,
+        stream=True,
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        json={
+            "model": model_id,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 3,
+            "stream": True,
+        },
+    )
+    events = [line for line in response.iter_lines() if line]
+    assert events[-1] == b"data: [DONE]"
+    final = json.loads(events[-2].removeprefix(b"data: "))
+    assert "pdserve_timings" in final and final["pdserve_timings"]["ttft_s"] is not None
