@@ -26,6 +26,7 @@ def add_bench_parser(sub) -> None:
     engine.add_argument("--skip-transformers", action="store_true", help="only our engine")
     engine.add_argument("--json", default=None, help="also write results to this JSON file")
     engine.set_defaults(func=_run_engine_bench)
+    __import__("bench.transfer_bench", fromlist=["*"]).add_transfer_parser(kinds)
 
 
 def _run_engine_bench(args: argparse.Namespace) -> int:

@@ -24,8 +24,12 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.kv_cache import KVCachePool, KVLayout
+
+if TYPE_CHECKING:
+    from kv_transfer.stats import ReceiverStats, SenderStats
 
 
 class TransferState(enum.IntEnum):
@@ -67,6 +71,8 @@ class ExportTicket:
     checksums: list[int] = field(default_factory=list)
     """One per block, computed at export; verified by the receiver."""
     lease_ttl_s: float = 30.0
+    checksum_algo: str = "crc32"
+    """How `checksums` were computed (see kv_transfer/integrity.py)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -98,10 +104,19 @@ class TransferResult:
 class KVTransferError(Exception):
     """A transfer failed; carries the request id, the peer and the reason."""
 
-    def __init__(self, message: str, request_id: str, peer: str, reason: FailureReason):
+    def __init__(
+        self,
+        message: str,
+        request_id: str,
+        peer: str,
+        reason: FailureReason,
+        failed_blocks: list[int] | None = None,
+    ):
         self.request_id = request_id
         self.peer = peer
         self.reason = reason
+        self.failed_blocks = failed_blocks or []
+        self.detail = message
         super().__init__(
             f"[request {request_id}] KV transfer with {peer} failed ({reason.value}): {message}"
         )
@@ -139,6 +154,15 @@ class KVSender(ABC):
     def poll_released(self) -> list[list[int]]:
         """Called by the worker's engine loop; returns block-id lists it must free now."""
 
+    def heartbeat(self, request_id: str) -> bool:
+        """Called by the transport's server thread (or the worker) while a receiver is still
+        working on `request_id`; extends its lease. False when the export is gone."""
+        raise NotImplementedError
+
+    def stats(self) -> SenderStats:
+        """Called by the metrics layer whenever it reports; a snapshot of counters."""
+        raise NotImplementedError
+
     def close(self) -> None:
         """Called once at worker shutdown."""
 
@@ -160,6 +184,15 @@ class KVReceiver(ABC):
         blocks are written (DONE) or the transfer failed. Never raises for transfer
         failures: they come back as a result with state < PENDING and a reason. On
         failure the caller frees `dst_block_ids`."""
+
+    def keepalive(self, ticket: ExportTicket, timeout_s: float = 5.0) -> bool:
+        """Called by the decode worker while a ticket waits (e.g. for free blocks): extends
+        the sender's lease through the transport. False when the export is gone."""
+        raise NotImplementedError
+
+    def stats(self) -> ReceiverStats:
+        """Called by the metrics layer whenever it reports; a snapshot of counters."""
+        raise NotImplementedError
 
     def close(self) -> None:
         """Called once at worker shutdown."""

@@ -1,0 +1,269 @@
+"""`pdserve bench transfer`: KV transfer GB/s per transport and size, next to a raw
+loopback socket and a memcpy of the same size measured in the same run.
+
+A sender child process (spawned, like a prefill worker) holds a pool of 1 MiB blocks
+and exports a request per repetition; this process is the receiver and times
+`fetch` only (export and ack are outside the timing). Baselines: the same bytes over
+a plain TCP socket from a child process into a preallocated buffer, and a one-thread
+memcpy. Each figure is the best of `--repeats` runs. See docs/kv_transfer.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import socket
+import time
+
+MIB = 1 << 20
+DEFAULT_TRANSPORTS = "shm,collective,grpc"
+TOKEN = "bench-token"
+
+
+def add_transfer_parser(kinds) -> None:
+    """Called by bench/cli.py when the `pdserve bench` parser is built."""
+    parser = kinds.add_parser(
+        "transfer",
+        help="KV transfer GB/s per transport vs raw socket and memcpy, same run",
+        description=__doc__.splitlines()[0],
+    )
+    parser.add_argument("--transport", default=DEFAULT_TRANSPORTS, help="comma-separated")
+    parser.add_argument("--sizes", default="1MiB,16MiB,64MiB,256MiB")
+    parser.add_argument("--chunk", default="4MiB", help="transport chunk size")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", default=None, help="also write results to this JSON file")
+    parser.set_defaults(func=run_transfer_bench)
+
+
+def parse_size(text: str) -> int:
+    units = {"KiB": 1 << 10, "MiB": MIB, "GiB": 1 << 30, "B": 1}
+    for unit, factor in units.items():
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * factor)
+    return int(text)
+
+
+def _layout():
+    from engine.kv_cache import KVLayout
+
+    return KVLayout("bench", "float32", 1, 1, 512, 256)  # 1 MiB per block (K and V)
+
+
+def _options(chunk_bytes: int):
+    from kv_transfer import TransportOptions
+
+    return TransportOptions(
+        chunk_bytes=chunk_bytes,
+        token=TOKEN,
+        timeout_s=120,
+        max_message_bytes=max(64 * MIB, 2 * chunk_bytes),
+    )
+
+
+# --- child processes -------------------------------------------------------------------
+
+
+def _sender_main(conn, transport: str, num_blocks: int, chunk_bytes: int) -> None:
+    """Prefill stand-in: serve exports of the first n blocks until told to stop."""
+    import torch
+
+    from engine.kv_cache import KVCachePool
+    from kv_transfer import make_sender
+
+    pool = KVCachePool(_layout(), num_blocks)
+    pool.kv.copy_(torch.randn(pool.kv.shape))
+    sender = make_sender(transport, f"bench-{transport}", pool, _options(chunk_bytes))
+    conn.send(sender.endpoint())
+    while (msg := conn.recv()) is not None:
+        request_id, n = msg
+        conn.send(sender.export(request_id, list(range(n)), n * 256, "bench").to_dict())
+        conn.recv()
+        sender.ack(request_id)
+        sender.poll_released()
+    sender.close()
+
+
+def _socket_sender_main(port: int, size: int, repeats: int) -> None:
+    import numpy as np
+
+    data = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        for _ in range(repeats):
+            sock.recv(1)
+            sock.sendall(memoryview(data))
+
+
+# --- measurements --------------------------------------------------------------------
+
+
+def measure_memcpy(size: int, repeats: int) -> float:
+    import numpy as np
+
+    src = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
+    dst = np.empty_like(src)
+    dst[:] = src
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst[:] = src
+        best = min(best, time.perf_counter() - start)
+    return size / best
+
+
+def measure_socket(size: int, repeats: int) -> float:
+    import numpy as np
+
+    server = socket.create_server(("127.0.0.1", 0))
+    ctx = mp.get_context("spawn")
+    child = ctx.Process(target=_socket_sender_main, args=(server.getsockname()[1], size, repeats))
+    child.start()
+    conn, _ = server.accept()
+    buf = np.empty(size, dtype=np.uint8)
+    view = memoryview(buf)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        conn.sendall(b"g")
+        got = 0
+        while got < size:
+            got += conn.recv_into(view[got:], size - got)
+        best = min(best, time.perf_counter() - start)
+    conn.close()
+    server.close()
+    child.join()
+    return size / best
+
+
+def measure_checksum(size: int, repeats: int) -> float:
+    import numpy as np
+
+    from kv_transfer.integrity import checksum
+
+    data = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for block in range(0, size, MIB):
+            checksum(data[block : block + MIB], "fast")
+        best = min(best, time.perf_counter() - start)
+    return size / best
+
+
+def measure_transport(transport: str, sizes: list[int], chunk: int, repeats: int, on_done):
+    """GB/s of `fetch` for each size, sender in a child process; returns {size: B/s}."""
+    from engine.kv_cache import KVCachePool
+    from kv_transfer import ExportTicket, make_receiver
+
+    blocks = max(sizes) // MIB
+    ctx = mp.get_context("spawn")
+    parent, child_conn = ctx.Pipe()
+    child = ctx.Process(target=_sender_main, args=(child_conn, transport, blocks, chunk))
+    child.start()
+    parent.recv()
+    pool = KVCachePool(_layout(), blocks)
+    pool.kv.fill_(1.0)  # touch every page before timing
+    receiver = make_receiver(transport, "bench-decode", pool, _options(chunk))
+    results, used = {}, set()
+    try:
+        for size in sizes:
+            n = size // MIB
+            best = float("inf")
+            for rep in range(repeats + 1):  # the first run warms mappings and pairs
+                parent.send((f"{size}-{rep}", n))
+                ticket = ExportTicket.from_dict(parent.recv())
+                result = receiver.fetch(ticket, list(range(n)), timeout_s=120)
+                parent.send("ack")
+                if not result.ok:
+                    raise RuntimeError(result.message)
+                used.add(result.transport)
+                if rep:
+                    best = min(best, result.seconds)
+            results[size] = size / best
+            on_done()
+    finally:
+        parent.send(None)
+        child.join(30)
+        receiver.close()
+    return results, sorted(used)
+
+
+# --- the command ---------------------------------------------------------------------
+
+
+def run_transfer_bench(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    if any(s % MIB or s <= 0 for s in sizes):
+        raise SystemExit("sizes must be whole MiB")
+    transports = [t for t in args.transport.split(",") if t]
+    chunk = parse_size(args.chunk)
+    bar = tqdm(total=len(sizes) * (len(transports) + 3), desc="bench transfer", unit="run")
+    rows = {size: {} for size in sizes}
+    for size in sizes:
+        rows[size]["memcpy"] = measure_memcpy(size, args.repeats)
+        rows[size]["checksum"] = measure_checksum(size, args.repeats)
+        rows[size]["socket"] = measure_socket(size, args.repeats)
+        bar.update(3)
+    actual = {}
+    for transport in transports:
+        speeds, actual[transport] = measure_transport(
+            transport, sizes, chunk, args.repeats, lambda: bar.update(1)
+        )
+        for size, speed in speeds.items():
+            rows[size][transport] = speed
+    bar.close()
+    _print_table(rows, transports, actual)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(_as_json(rows, transports, actual, chunk), f, indent=2)
+    return 0
+
+
+def _print_table(rows: dict, transports: list[str], actual: dict) -> None:
+    cols = ["memcpy", "checksum", "socket", *transports]
+    print(f"{'size':>8} " + " ".join(f"{c:>11}" for c in cols) + "   (GB/s)")
+    for size, row in rows.items():
+        cells = " ".join(f"{row[c] / 1e9:>11.2f}" for c in cols)
+        print(f"{size // MIB:>5}MiB {cells}")
+    print("\nratios: " + ", ".join(_ratio_names(transports)))
+    for size, row in rows.items():
+        ratios = " ".join(f"{row[t] / row[_baseline(t)]:>11.2f}" for t in transports)
+        print(f"{size // MIB:>5}MiB {ratios}")
+    print("transport that moved the bytes: " + ", ".join(f"{t}={actual[t]}" for t in transports))
+
+
+def _baseline(transport: str) -> str:
+    return "memcpy" if transport in ("shm", "local") else "socket"
+
+
+def _ratio_names(transports: list[str]) -> list[str]:
+    return [f"{t}/{_baseline(t)}" for t in transports]
+
+
+def _as_json(rows: dict, transports: list[str], actual: dict, chunk: int) -> dict:
+    import os
+
+    return {
+        "machine": {"cpu": _cpu_model(), "cores": os.cpu_count()},
+        "chunk_bytes": chunk,
+        "transports_used": actual,
+        "results": [
+            {"size_bytes": size, **{k: v / 1e9 for k, v in row.items()}}
+            for size, row in rows.items()
+        ],
+        "units": "GB/s (1e9 bytes/s)",
+        "ratio_baselines": {t: _baseline(t) for t in transports},
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"

@@ -1,0 +1,84 @@
+"""How one request's blocks are cut into pieces that each transport moves in one go.
+
+Both ends compute the same plan from the sender's block ids, the receiver's block ids,
+the block size in bytes and the chunk size: the sender reads pieces of its pool, the
+receiver writes them into its own, one copy (or one send, one message) per piece. A
+piece is a byte range that is contiguous in both pools, because the pool is
+block-major: consecutive block ids are consecutive bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Piece:
+    """`nbytes` that start at `src` in the sender's pool and land at `dst` in ours."""
+
+    src: int
+    dst: int
+    offset: int
+    """Position of the piece in the request's byte stream (sum of earlier pieces)."""
+    nbytes: int
+
+
+def flat_bytes(kv: torch.Tensor) -> torch.Tensor:
+    """The whole block-major pool as a 1-D uint8 tensor sharing its storage."""
+    return kv.view(-1).view(torch.uint8)
+
+
+def block_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(src_start, dst_start, count) runs where both id lists count up by one."""
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"{len(src_ids)} source blocks but {len(dst_ids)} destination blocks")
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src_ids, dst_ids, strict=True):
+        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
+def plan_pieces(
+    src_ids: list[int], dst_ids: list[int], block_nbytes: int, chunk_bytes: int
+) -> list[Piece]:
+    """Cut the transfer into pieces of at most `chunk_bytes`, contiguous on both sides."""
+    pieces: list[Piece] = []
+    offset = 0
+    for src_block, dst_block, count in block_runs(src_ids, dst_ids):
+        src, dst, left = src_block * block_nbytes, dst_block * block_nbytes, count * block_nbytes
+        while left:
+            n = min(left, chunk_bytes)
+            pieces.append(Piece(src, dst, offset, n))
+            src, dst, offset, left = src + n, dst + n, offset + n, left - n
+    return pieces
+
+
+def total_bytes(pieces: list[Piece]) -> int:
+    return sum(p.nbytes for p in pieces)
+
+
+def copy_pieces(src_flat: torch.Tensor, dst_flat: torch.Tensor, pieces: list[Piece], step) -> None:
+    """One copy per piece from the sender's pool bytes into ours (same-process memory).
+
+    `step(piece)` runs before each copy (shaping, faults, heartbeats) and returns True
+    when the copied bytes must be corrupted (fault injection on the receiving side).
+    CPU copies go through numpy: one plain memcpy, where torch's copy_ may split the
+    copy across intra-op threads, which collapses on a busy 2-core machine.
+    """
+    cpu = not (src_flat.is_cuda or dst_flat.is_cuda)
+    src_all, dst_all = (src_flat.numpy(), dst_flat.numpy()) if cpu else (src_flat, dst_flat)
+    for piece in pieces:
+        corrupt = step(piece)
+        dst = dst_all[piece.dst : piece.dst + piece.nbytes]
+        src = src_all[piece.src : piece.src + piece.nbytes]
+        if cpu:
+            dst[:] = src
+        else:
+            dst.copy_(src)
+        if corrupt:
+            dst[0] = 255 - int(dst[0])

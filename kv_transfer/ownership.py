@@ -1,0 +1,181 @@
+"""Who owns exported KV blocks, and until when: the sender-side export registry.
+
+Lifecycle of one export:
+
+    export()            -> PENDING      blocks pinned, lease = now + ttl
+    begin_transfer()    -> TRANSFERRING a transport started moving the bytes
+    heartbeat()            (any state)  lease = now + ttl (receiver still working)
+    end_transfer(ok)    -> PENDING      bytes moved (or failed); waiting for ack/retry
+    ack()               -> DONE         blocks released
+    abort()             -> ABORTED      blocks released
+    reap() past lease   -> EXPIRED      blocks released
+
+Release happens exactly once per export: the record leaves the table under the lock
+and its block ids go onto a queue the owning worker drains with `poll_released()`;
+this module never frees blocks itself (the engine's allocator is not thread-safe).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, replace
+
+from kv_transfer.base import FailureReason, TransferState
+from kv_transfer.stats import SenderStats, bump
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ExportRecord:
+    """One request's pinned blocks on the sender."""
+
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int
+    owner: str
+    peer: str
+    checksums: list[int]
+    state: TransferState
+    lease_expires_at: float
+
+
+class ExportRegistry:
+    """Thread-safe table of exports; transports' server threads and the worker share it."""
+
+    def __init__(self, owner: str, lease_ttl_s: float, reap_interval_s: float | None = None):
+        self.owner = owner
+        self.lease_ttl_s = lease_ttl_s
+        self._records: dict[str, ExportRecord] = {}
+        self._released: list[list[int]] = []
+        self._stats = SenderStats()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        interval = reap_interval_s or min(max(lease_ttl_s / 4, 0.01), 1.0)
+        self._reaper = threading.Thread(
+            target=self._reap_loop, args=(interval,), name=f"kv-lease-reaper-{owner}", daemon=True
+        )
+        self._reaper.start()
+
+    # --- called by the worker (through KVSender) -----------------------------------
+
+    def add(
+        self, request_id: str, block_ids: list[int], num_tokens: int, peer: str, checksums
+    ) -> ExportRecord:
+        """Pin `block_ids` for `peer` under a fresh lease; a duplicate id is a caller bug."""
+        with self._lock:
+            if request_id in self._records:
+                raise ValueError(f"[request {request_id}] already exported")
+            record = ExportRecord(
+                request_id=request_id,
+                block_ids=list(block_ids),
+                num_tokens=num_tokens,
+                owner=self.owner,
+                peer=peer,
+                checksums=list(checksums),
+                state=TransferState.PENDING,
+                lease_expires_at=time.monotonic() + self.lease_ttl_s,
+            )
+            self._records[request_id] = record
+            self._stats.exports += 1
+            return replace(record)
+
+    def ack(self, request_id: str) -> bool:
+        """Receiver has the blocks: release them. False when already released (late ack)."""
+        return self._release(request_id, TransferState.DONE) is not None
+
+    def abort(self, request_id: str) -> bool:
+        return self._release(request_id, TransferState.ABORTED) is not None
+
+    def poll_released(self) -> list[list[int]]:
+        """Drain block lists released since the last call; also reaps expired leases."""
+        self.reap()
+        with self._lock:
+            released, self._released = self._released, []
+        return released
+
+    def stats(self) -> SenderStats:
+        with self._lock:
+            snapshot = replace(self._stats, failures=dict(self._stats.failures))
+            snapshot.pinned_requests = len(self._records)
+            snapshot.pinned_blocks = sum(len(r.block_ids) for r in self._records.values())
+        return snapshot
+
+    # --- called by transport server threads ----------------------------------------
+
+    def heartbeat(self, request_id: str) -> bool:
+        """Extend the lease; False when the export is gone (acked, aborted or expired)."""
+        with self._lock:
+            record = self._records.get(request_id)
+            if record is None:
+                return False
+            record.lease_expires_at = time.monotonic() + self.lease_ttl_s
+            self._stats.heartbeats += 1
+            return True
+
+    def begin_transfer(self, request_id: str) -> ExportRecord | None:
+        """Mark TRANSFERRING and extend the lease; returns a copy, or None if unknown."""
+        with self._lock:
+            record = self._records.get(request_id)
+            if record is None:
+                return None
+            record.state = TransferState.TRANSFERRING
+            record.lease_expires_at = time.monotonic() + self.lease_ttl_s
+            return replace(record)
+
+    def end_transfer(
+        self, request_id: str, num_bytes: int, failure: FailureReason | None = None
+    ) -> None:
+        """Bytes moved (or not); the blocks stay pinned until ack, abort or expiry."""
+        with self._lock:
+            if failure is None:
+                self._stats.transfers_served += 1
+                self._stats.bytes_sent += num_bytes
+            else:
+                bump(self._stats.failures, failure.value)
+            record = self._records.get(request_id)
+            if record is not None and record.state == TransferState.TRANSFERRING:
+                record.state = TransferState.PENDING
+
+    def get(self, request_id: str) -> ExportRecord | None:
+        with self._lock:
+            record = self._records.get(request_id)
+            return None if record is None else replace(record)
+
+    # --- leases ---------------------------------------------------------------------
+
+    def reap(self) -> int:
+        """Release every export whose lease ran out; returns how many."""
+        now = time.monotonic()
+        with self._lock:
+            expired = [r.request_id for r in self._records.values() if r.lease_expires_at < now]
+        released = [rid for rid in expired if self._release(rid, TransferState.EXPIRED)]
+        for request_id in released:
+            logger.warning("[request %s] KV export lease expired without ack", request_id)
+        return len(released)
+
+    def close(self) -> None:
+        """Stop the reaper; pinned exports stay in the table (the worker is going away)."""
+        self._stop.set()
+        self._reaper.join(timeout=2.0)
+
+    def _reap_loop(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            self.reap()
+
+    def _release(self, request_id: str, final: TransferState) -> ExportRecord | None:
+        with self._lock:
+            record = self._records.pop(request_id, None)
+            if record is None:
+                return None
+            record.state = final
+            self._released.append(record.block_ids)
+            if final == TransferState.DONE:
+                self._stats.acks += 1
+            elif final == TransferState.ABORTED:
+                self._stats.aborts += 1
+            else:
+                self._stats.expiries += 1
+            return record

@@ -1,0 +1,110 @@
+"""The receiver every transport shares: layout check, timing, verification, stats, and
+turning every failure into a `TransferResult` (fetch never raises for transfer faults).
+
+Decode worker lifecycle: `make_receiver(...)` at start; per request, reserve blocks,
+`fetch(ticket, dst, timeout_s)`, then on DONE tell the sender to ack and add the
+request to the engine, on failure free `dst` itself; `keepalive(ticket)` while a ticket
+waits for blocks; `stats()` for metrics; `close()` at shutdown.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from abc import abstractmethod
+from dataclasses import replace
+
+from engine.kv_cache import KVCachePool
+from kv_transfer.base import (
+    ExportTicket,
+    FailureReason,
+    KVReceiver,
+    KVTransferError,
+    TransferResult,
+    TransferState,
+    check_layout,
+)
+from kv_transfer.config import TransportOptions
+from kv_transfer.integrity import verify_blocks
+from kv_transfer.stats import ReceiverStats, bump
+
+logger = logging.getLogger(__name__)
+
+
+class TransportReceiver(KVReceiver):
+    """Subclasses implement `_pull`: move the bytes, return the transport that did."""
+
+    def __init__(self, name: str, worker_id: str, pool: KVCachePool, options: TransportOptions):
+        super().__init__(worker_id, pool)
+        self.name = name
+        self.options = options
+        self._stats = ReceiverStats()
+        self._lock = threading.Lock()
+
+    @abstractmethod
+    def _pull(self, ticket: ExportTicket, dst_block_ids: list[int], deadline: float) -> str:
+        """Write the ticket's blocks into `dst_block_ids` by `deadline` (monotonic) or raise
+        `KVTransferError`; returns the name of the transport that moved the bytes."""
+
+    def fetch(
+        self, ticket: ExportTicket, dst_block_ids: list[int], timeout_s: float
+    ) -> TransferResult:
+        start = time.monotonic()
+        result = TransferResult(ticket.request_id, TransferState.FAILED, self.name)
+        try:
+            check_layout(ticket, self.pool.layout, ticket.sender_id)
+            if len(dst_block_ids) != len(ticket.block_ids):
+                raise KVTransferError(
+                    f"{len(dst_block_ids)} destination blocks for {len(ticket.block_ids)}",
+                    ticket.request_id,
+                    ticket.sender_id,
+                    FailureReason.INTERNAL,
+                )
+            result.transport = self._pull(ticket, dst_block_ids, start + timeout_s)
+            verify_blocks(self.pool.kv, dst_block_ids, ticket, ticket.sender_id)
+            result.state = TransferState.DONE
+            result.num_bytes = len(dst_block_ids) * self.pool.layout.block_nbytes
+        except KVTransferError as exc:
+            result.reason, result.message = exc.reason, str(exc)
+            result.failed_blocks = exc.failed_blocks
+        except Exception as exc:  # a bug must not take the decode loop down with it
+            logger.exception("[request %s] KV fetch crashed", ticket.request_id)
+            result.reason, result.message = FailureReason.INTERNAL, repr(exc)
+        result.seconds = time.monotonic() - start
+        self._count(result)
+        return result
+
+    def _count(self, result: TransferResult) -> None:
+        with self._lock:
+            self._stats.fetches += 1
+            if result.ok:
+                self._stats.transfers_ok += 1
+                self._stats.bytes_received += result.num_bytes
+                self._stats.seconds += result.seconds
+                bump(self._stats.by_transport, result.transport)
+            else:
+                bump(self._stats.failures, result.reason.value)
+                logger.warning("%s", result.message)
+
+    def stats(self) -> ReceiverStats:
+        with self._lock:
+            return replace(
+                self._stats,
+                failures=dict(self._stats.failures),
+                by_transport=dict(self._stats.by_transport),
+            )
+
+
+def remaining(deadline: float, ticket: ExportTicket) -> float:
+    """Seconds left before `deadline`; raises TIMEOUT when none are."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise KVTransferError(
+            "timed out", ticket.request_id, ticket.sender_id, FailureReason.TIMEOUT
+        )
+    return left
+
+
+def fail(ticket: ExportTicket, reason: FailureReason, message: str) -> KVTransferError:
+    return KVTransferError(message, ticket.request_id, ticket.sender_id, reason)

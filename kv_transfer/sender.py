@@ -1,0 +1,106 @@
+"""The sender every transport shares: export registry, checksums, stats; transports add
+the servers that move bytes.
+
+Prefill worker lifecycle: `make_sender(...)` at start (servers bind, pool may move to
+shared memory), `export()` once per prefilled request, `ack()` / `abort()` from the
+cluster's messages, `poll_released()` every engine-loop iteration to free block ids,
+`stats()` for metrics, `close()` at shutdown. Transport servers call `heartbeat()` and
+the registry's `begin_transfer` / `end_transfer` from their own threads.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Protocol
+
+from engine.kv_cache import KVCachePool
+from kv_transfer.base import ExportTicket, KVSender
+from kv_transfer.config import TransportOptions
+from kv_transfer.integrity import block_checksums
+from kv_transfer.node import node_id
+from kv_transfer.ownership import ExportRegistry
+from kv_transfer.stats import SenderStats
+
+logger = logging.getLogger(__name__)
+
+
+class TransportServer(Protocol):
+    """The serving half of one transport inside a sender."""
+
+    def endpoint(self) -> dict: ...
+
+    def close(self) -> None: ...
+
+
+ServerFactory = Callable[["RegistrySender"], TransportServer]
+
+
+class RegistrySender(KVSender):
+    """A `KVSender` whose byte-moving servers come from `server_factories`."""
+
+    def __init__(
+        self,
+        name: str,
+        worker_id: str,
+        pool: KVCachePool,
+        options: TransportOptions,
+        server_factories: list[ServerFactory],
+    ):
+        super().__init__(worker_id, pool)
+        self.name = name
+        self.options = options
+        self.registry = ExportRegistry(worker_id, options.lease_ttl_s)
+        self.servers = [make(self) for make in server_factories]
+
+    def endpoint(self) -> dict:
+        info = {"transport": self.name, "worker": self.worker_id, "node": self.node}
+        for server in self.servers:
+            info.update(server.endpoint())
+        return info
+
+    @property
+    def node(self) -> str:
+        return self.options.node_id or node_id()
+
+    def export(
+        self, request_id: str, block_ids: list[int], num_tokens: int, peer_id: str
+    ) -> ExportTicket:
+        if not block_ids or not all(0 <= b < self.pool.num_blocks for b in block_ids):
+            raise ValueError(f"[request {request_id}] bad block ids {block_ids[:8]}")
+        algo = self.options.checksum
+        checksums = block_checksums(self.pool.kv, block_ids, algo)
+        self.registry.add(request_id, block_ids, num_tokens, peer_id, checksums)
+        return ExportTicket(
+            request_id=request_id,
+            sender_id=self.worker_id,
+            sender_endpoint=self.endpoint(),
+            layout=asdict(self.pool.layout),
+            block_ids=list(block_ids),
+            num_tokens=num_tokens,
+            checksums=checksums,
+            lease_ttl_s=self.options.lease_ttl_s,
+            checksum_algo=algo,
+        )
+
+    def ack(self, request_id: str) -> None:
+        if not self.registry.ack(request_id):
+            logger.info("[request %s] late ack: blocks were already released", request_id)
+
+    def abort(self, request_id: str) -> None:
+        self.registry.abort(request_id)
+
+    def poll_released(self) -> list[list[int]]:
+        return self.registry.poll_released()
+
+    def heartbeat(self, request_id: str) -> bool:
+        return self.registry.heartbeat(request_id)
+
+    def stats(self) -> SenderStats:
+        return self.registry.stats()
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.close()
+        self.registry.close()

@@ -1,0 +1,1 @@
+"""KV transports; built by name through `kv_transfer.registry` (imports stay lazy)."""

@@ -1,0 +1,314 @@
+"""`collective`: torch.distributed point-to-point over a process group per (sender, receiver).
+
+There is no world: each pair gets its own two-rank group (gloo for CPU pools, NCCL for
+CUDA pools, same code), rendezvoused through the sender's `TCPStore` under a
+`PrefixStore` unique to that pair, so a worker joining or dying touches only its own
+pairs. Lifecycle of a pair and of one transfer:
+
+    receiver                                   sender (control thread of this pair)
+    open control connection, {"op": "pair"} -> reply prefix; build group rank 0
+    build group rank 1 (rendezvous via store)
+    {"op": "fetch", request_id, dst ids}    -> begin_transfer; reply piece size
+    recv piece into our pool (one per piece) <- send each piece from the pool (no copy),
+                                               pacing, faults, lease heartbeats
+    wait {"done"}                            <- end_transfer; reply done
+    ... later fetches reuse the pair ...
+    any failure: both ends drop the pair (group aborted, connection closed); the next
+    fetch builds a fresh one. The connection closing is how a sender sees a dead peer.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from engine.kv_cache import KVCachePool
+from kv_transfer.base import ExportTicket, FailureReason, KVTransferError
+from kv_transfer.blockio import Piece, flat_bytes, plan_pieces, total_bytes
+from kv_transfer.config import TransportOptions
+from kv_transfer.control import (
+    ChannelClosed,
+    ControlConnection,
+    ControlServer,
+    recv_message,
+    responsive,
+    send_message,
+)
+from kv_transfer.faults import DropTransfer, FaultPlan
+from kv_transfer.receiver import TransportReceiver, fail, remaining
+from kv_transfer.sender import RegistrySender
+from kv_transfer.shaping import Shaper
+
+logger = logging.getLogger(__name__)
+
+SENDER_RANK, RECEIVER_RANK = 0, 1
+
+
+def make_pair_group(
+    store: dist.Store, prefix: str, rank: int, host: str, device: torch.device, timeout_s: float
+):
+    """Two-rank group on `device`'s backend; both ends call this at the same time."""
+    pair_store = dist.PrefixStore(prefix, store)
+    timeout = timedelta(seconds=timeout_s)
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(pair_store, rank, 2, options)
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    options._timeout = timeout
+    return dist.ProcessGroupGloo(pair_store, rank, 2, options)
+
+
+def drop_group(group) -> None:
+    """Abort a pair's group so nothing pending on it can ever match a later transfer."""
+    try:
+        group.abort()
+    except Exception:  # already broken: nothing left to release
+        logger.debug("aborting a KV pair group failed", exc_info=True)
+
+
+class CollectiveServer:
+    """Sender half: the rendezvous store and one control thread per receiver pair."""
+
+    def __init__(self, sender: RegistrySender):
+        self.sender = sender
+        self.options = sender.options
+        self.store = dist.TCPStore(
+            self.options.bind_host,
+            0,
+            None,
+            True,
+            timedelta(seconds=self.options.timeout_s),
+            wait_for_workers=False,
+        )
+        self.control = ControlServer(
+            self.options.bind_host, self.options.token, self._serve_pair, "kv-collective"
+        )
+
+    def endpoint(self) -> dict:
+        host = self.options.dial_host
+        return {
+            "collective": {"control": [host, self.control.port], "store": [host, self.store.port]}
+        }
+
+    def _serve_pair(self, conn: socket.socket, message: dict) -> None:
+        if message.get("op") != "pair":
+            send_message(conn, {"ok": False, "reason": "internal", "message": "pair first"})
+            return
+        prefix = f"kv/{self.sender.worker_id}/{message.get('receiver')}/{uuid.uuid4().hex}"
+        send_message(conn, {"ok": True, "prefix": prefix})
+        group = make_pair_group(
+            self.store,
+            prefix,
+            SENDER_RANK,
+            self.options.bind_host,
+            self.sender.pool.kv.device,
+            self.options.timeout_s,
+        )
+        try:
+            while True:
+                request = recv_message(conn)
+                if request.get("op") == "heartbeat":
+                    alive = self.sender.heartbeat(str(request.get("request_id")))
+                    send_message(conn, {"ok": alive, "reason": "unknown_request"})
+                elif request.get("op") == "fetch":
+                    self._serve_fetch(conn, group, request)
+                else:
+                    send_message(conn, {"ok": False, "reason": "internal"})
+        finally:
+            drop_group(group)
+
+    def _serve_fetch(self, conn: socket.socket, group, request: dict) -> None:
+        request_id = str(request.get("request_id"))
+        record = self.sender.registry.begin_transfer(request_id)
+        if record is None:
+            send_message(conn, {"ok": False, "reason": "unknown_request"})
+            return
+        shaper = Shaper(self.options.bandwidth_bytes_per_s, self.options.added_latency_s)
+        piece_bytes = shaper.piece_bytes(self.options.chunk_bytes)
+        block_nbytes = self.sender.pool.layout.block_nbytes
+        pieces = plan_pieces(record.block_ids, request["dst_block_ids"], block_nbytes, piece_bytes)
+        send_message(conn, {"ok": True, "piece_bytes": piece_bytes})
+        failure = FailureReason.PEER_DIED
+        try:
+            self._send_pieces(group, request_id, pieces, shaper)
+            send_message(conn, {"done": True, "nbytes": total_bytes(pieces)})
+            failure = None
+        except DropTransfer:
+            failure = FailureReason.DROPPED
+            conn.shutdown(socket.SHUT_RDWR)
+            raise ChannelClosed("dropped by fault injection") from None
+        finally:
+            self.sender.registry.end_transfer(request_id, total_bytes(pieces), failure)
+
+    def _send_pieces(self, group, request_id: str, pieces: list[Piece], shaper: Shaper) -> None:
+        flat = flat_bytes(self.sender.pool.kv)
+        faults = FaultPlan(self.options.faults, total_bytes(pieces), request_id)
+        timeout = timedelta(seconds=self.options.timeout_s)
+        shaper.start()
+        pending = []  # all sends in flight at once: pieces pipeline instead of ping-ponging
+        for piece in pieces:
+            data = flat[piece.src : piece.src + piece.nbytes]
+            if faults.hit(piece.offset, piece.nbytes):
+                data = data.clone()
+                data[0] = 255 - int(data[0])
+            shaper.pace(piece.nbytes)
+            pending.append(group.send([data], RECEIVER_RANK, 0))
+            if shaper.active:  # a paced link must not queue ahead of its cap
+                pending.pop().wait(timeout)
+            self.sender.heartbeat(request_id)
+        for work in pending:
+            work.wait(timeout)
+            self.sender.heartbeat(request_id)
+        shaper.finish()
+
+    def close(self) -> None:
+        self.control.close()
+
+
+def make_collective_sender(worker_id: str, pool: KVCachePool, options: TransportOptions):
+    return RegistrySender("collective", worker_id, pool, options, [CollectiveServer])
+
+
+@dataclass
+class _Pair:
+    conn: ControlConnection
+    group: object
+    lock: threading.Lock
+
+
+class CollectiveReceiver(TransportReceiver):
+    """Receiver half: one pair (control connection + group) per sender, built on demand."""
+
+    def __init__(self, worker_id: str, pool: KVCachePool, options: TransportOptions):
+        super().__init__("collective", worker_id, pool, options)
+        self._pairs: dict[str, _Pair] = {}
+        self._lock = threading.Lock()
+
+    def _pair(self, ticket: ExportTicket, deadline: float) -> _Pair:
+        # Built outside the lock: a dead sender's rendezvous must not stall other pairs.
+        with self._lock:
+            pair = self._pairs.get(ticket.sender_id)
+        if pair is not None:
+            return pair
+        pair = self._build_pair(ticket, deadline)
+        with self._lock:
+            existing = self._pairs.setdefault(ticket.sender_id, pair)
+        if existing is not pair:
+            pair.conn.close()
+            drop_group(pair.group)
+        return existing
+
+    def _build_pair(self, ticket: ExportTicket, deadline: float) -> _Pair:
+        info = ticket.sender_endpoint["collective"]
+        (host, port), (store_host, store_port) = info["control"], info["store"]
+        timeout = remaining(deadline, ticket)
+        try:
+            conn = ControlConnection(host, port, self.options.token, timeout)
+            reply = conn.call({"op": "pair", "receiver": self.worker_id}, timeout)
+        except (ChannelClosed, OSError) as exc:
+            raise fail(ticket, FailureReason.PEER_DIED, f"control unreachable: {exc}") from None
+        if not reply.get("ok"):
+            conn.close()
+            raise fail(ticket, FailureReason(reply.get("reason", "internal")), str(reply))
+        try:
+            store = dist.TCPStore(store_host, store_port, None, False, timedelta(seconds=timeout))
+            group = make_pair_group(
+                store,
+                reply["prefix"],
+                RECEIVER_RANK,
+                self.options.bind_host,
+                self.pool.kv.device,
+                timeout,
+            )
+        except Exception as exc:
+            conn.close()
+            raise fail(ticket, FailureReason.PEER_DIED, f"pair rendezvous failed: {exc}") from None
+        return _Pair(conn, group, threading.Lock())
+
+    def _forget(self, ticket: ExportTicket, pair: _Pair) -> None:
+        with self._lock:
+            if self._pairs.get(ticket.sender_id) is pair:
+                del self._pairs[ticket.sender_id]
+        pair.conn.close()
+        drop_group(pair.group)
+
+    def _pull(self, ticket: ExportTicket, dst_block_ids: list[int], deadline: float) -> str:
+        if ticket.sender_endpoint.get("collective") is None:
+            raise fail(ticket, FailureReason.INTERNAL, "sender does not serve collective")
+        pair = self._pair(ticket, deadline)
+        with pair.lock:
+            try:
+                self._transfer(pair, ticket, dst_block_ids, deadline)
+            except KVTransferError as exc:
+                if exc.reason != FailureReason.UNKNOWN_REQUEST:
+                    self._forget(ticket, pair)
+                raise
+        return "collective"
+
+    def _transfer(self, pair: _Pair, ticket, dst_block_ids: list[int], deadline: float) -> None:
+        request = {"op": "fetch", "request_id": ticket.request_id, "dst_block_ids": dst_block_ids}
+        try:
+            reply = pair.conn.call(request, remaining(deadline, ticket))
+            if not reply.get("ok"):
+                raise fail(ticket, FailureReason(reply.get("reason", "internal")), str(reply))
+            block_nbytes = self.pool.layout.block_nbytes
+            pieces = plan_pieces(
+                ticket.block_ids, dst_block_ids, block_nbytes, reply["piece_bytes"]
+            )
+            flat = flat_bytes(self.pool.kv)
+            works = [
+                pair.group.recv([flat[p.dst : p.dst + p.nbytes]], SENDER_RANK, 0) for p in pieces
+            ]
+            for work in works:
+                work.wait(timedelta(seconds=remaining(deadline, ticket)))
+            done = pair.conn.recv(remaining(deadline, ticket))
+        except KVTransferError:
+            raise
+        except Exception as exc:
+            raise self._classify(ticket, exc) from None
+        if not done.get("done"):
+            raise fail(ticket, FailureReason.INTERNAL, f"unexpected reply {done}")
+
+    def _classify(self, ticket: ExportTicket, exc: Exception) -> KVTransferError:
+        """Tell a dead sender from a dropped or timed-out transfer after a wait failed."""
+        host, port = ticket.sender_endpoint["collective"]["control"]
+        text = str(exc).lower()
+        if not responsive(host, port, self.options.token):
+            reason = FailureReason.PEER_DIED
+        elif isinstance(exc, TimeoutError) or "timed out" in text or "timeout" in text:
+            reason = FailureReason.TIMEOUT
+        else:
+            reason = FailureReason.DROPPED
+        return fail(ticket, reason, f"{type(exc).__name__}: {exc}")
+
+    def keepalive(self, ticket: ExportTicket, timeout_s: float = 5.0) -> bool:
+        try:
+            pair = self._pair(ticket, time.monotonic() + timeout_s)
+        except KVTransferError:
+            return False
+        with pair.lock:
+            try:
+                reply = pair.conn.call(
+                    {"op": "heartbeat", "request_id": ticket.request_id}, timeout_s
+                )
+            except (ChannelClosed, OSError):
+                self._forget(ticket, pair)
+                return False
+        return bool(reply.get("ok"))
+
+    def close(self) -> None:
+        with self._lock:
+            pairs, self._pairs = list(self._pairs.values()), {}
+        for pair in pairs:
+            pair.conn.close()
+            drop_group(pair.group)

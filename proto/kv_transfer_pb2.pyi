@@ -1,0 +1,63 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FetchRequest(_message.Message):
+    __slots__ = ("request_id", "receiver_id", "dst_block_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
+    DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    receiver_id: str
+    dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., receiver_id: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("offset", "data")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class Done(_message.Message):
+    __slots__ = ("num_bytes", "num_chunks")
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    num_bytes: int
+    num_chunks: int
+    def __init__(self, num_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ...) -> None: ...
+
+class Error(_message.Message):
+    __slots__ = ("reason", "message")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    message: str
+    def __init__(self, reason: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class FetchResponse(_message.Message):
+    __slots__ = ("chunk", "done", "error")
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    chunk: Chunk
+    done: Done
+    error: Error
+    def __init__(self, chunk: _Optional[_Union[Chunk, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("alive",)
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    alive: bool
+    def __init__(self, alive: _Optional[bool] = ...) -> None: ...

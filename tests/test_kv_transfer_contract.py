@@ -1,0 +1,121 @@
+"""One contract over every transport: a real prompt's KV moves between two processes.
+
+The child process (tests/kv_transfer_peer.py) is the prefill worker with a real engine;
+this process is the decode worker. For every transport: prefill a prompt there, export,
+fetch here into our own engine's blocks, check the bytes, decode, compare with the
+child's own decode, ack, and end with both pools free. `local` is in-process by nature,
+so its case runs both ends here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.sampling_params import SamplingParams
+from kv_transfer import ExportTicket, TransportOptions, make_receiver, make_sender
+from tests.conftest import assert_no_leaks, make_engine
+from tests.kv_transfer_peer import Peer
+
+PROMPT = [5 + (i * 7) % 300 for i in range(37)]  # 5 blocks of 8, the last one partial
+MAX_TOKENS = 8
+OPTIONS = TransportOptions(chunk_bytes=16 << 10, token="cluster-secret", timeout_s=20)
+
+CASES = {
+    # case: (sender transport, receiver transport, receiver node override, expected transport)
+    "shm": ("shm", "shm", None, "shm"),
+    "grpc": ("grpc", "grpc", None, "grpc"),
+    "collective": ("collective", "collective", None, "collective"),
+    "auto-same-node": ("auto", "auto", None, "shm"),
+    "auto-cross-node": ("auto", "auto", "another-node", "collective"),
+}
+
+
+@pytest.fixture(scope="module")
+def prefill_peer(tiny_llama_dir):
+    peer = Peer(str(tiny_llama_dir))
+    yield peer
+    peer.close()
+
+
+@pytest.fixture(scope="module")
+def decode_engine(tiny_llama_dir):
+    return make_engine(tiny_llama_dir, num_kv_blocks=64)
+
+
+def _import_and_decode(engine, receiver, ticket: ExportTicket, prompt, first_tokens):
+    """Decode side, steps 2-4: reserve, fetch, decode; returns (result, blocks, tokens)."""
+    dst = engine.reserve_blocks(len(prompt), ticket.request_id)
+    result = receiver.fetch(ticket, dst, timeout_s=20)
+    assert result.ok, result.message
+    blocks = engine.kv_pool.read_blocks(dst).numpy().tobytes()
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    seq = engine.add_prefilled(ticket.request_id, prompt, first_tokens, params, dst)
+    while engine.has_unfinished():
+        engine.step()
+    return result, blocks, seq.output_token_ids
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_transport_moves_a_real_prompt_between_processes(case, prefill_peer, decode_engine):
+    sender_name, receiver_name, node, expected_transport = CASES[case]
+    request_id = f"req-{case}"
+    # 1. prefill side: sender of this transport, prompt prefilled and exported
+    prefill_peer.call("open_sender", case, sender_name, OPTIONS)
+    ticket_dict, sent, first, expected = prefill_peer.call(
+        "prefill_and_export", case, request_id, PROMPT, MAX_TOKENS
+    )
+    ticket = ExportTicket.from_dict(ticket_dict)
+    receiver = make_receiver(
+        receiver_name, f"decode-{case}", decode_engine.kv_pool, _with_node(OPTIONS, node)
+    )
+    try:
+        # 2-4. decode side imports and decodes from the imported KV
+        result, received, tokens = _import_and_decode(
+            decode_engine, receiver, ticket, PROMPT, first
+        )
+    finally:
+        receiver.close()
+    # 5. byte-identical blocks, same decode, the transport named is the one used
+    assert np.array_equal(np.frombuffer(received, np.uint8), np.frombuffer(sent, np.uint8))
+    assert tokens == expected
+    assert result.transport == expected_transport
+    assert result.num_bytes == len(sent)
+    # 6. ack releases the sender's blocks exactly once; both pools end free
+    prefill_peer.call("ack", case, request_id)
+    assert prefill_peer.call("wait_all_free") == 0
+    stats = prefill_peer.call("stats", case)
+    assert (stats.exports, stats.acks, stats.transfers_served) == (1, 1, 1)
+    assert stats.pinned_blocks == 0
+    assert_no_leaks(decode_engine)
+
+
+def test_local_transport_in_one_process(tiny_llama_dir, decode_engine):
+    prefill = make_engine(tiny_llama_dir)
+    sender = make_sender("local", "prefill-local", prefill.kv_pool, OPTIONS)
+    receiver = make_receiver("local", "decode-local", decode_engine.kv_pool, OPTIONS)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    expected = prefill.generate([PROMPT], params)[0].output_token_ids
+    prefill.add_request("r", PROMPT, params, stop_after_prefill=True)
+    while prefill.has_unfinished():
+        prefill.step()
+    seq = prefill.take_prefilled("r")
+    ticket = sender.export("r", seq.block_ids, len(PROMPT), "decode-local")
+    sent = prefill.kv_pool.read_blocks(seq.block_ids).numpy().tobytes()
+
+    result, received, tokens = _import_and_decode(
+        decode_engine, receiver, ticket, PROMPT, seq.output_token_ids
+    )
+    assert (result.transport, received, tokens) == ("local", sent, expected)
+    sender.ack("r")
+    for ids in sender.poll_released():
+        prefill.release_blocks(ids)
+    sender.close()
+    assert_no_leaks(prefill)
+    assert_no_leaks(decode_engine)
+
+
+def _with_node(options: TransportOptions, node: str | None) -> TransportOptions:
+    from dataclasses import replace
+
+    return options if node is None else replace(options, node_id=node)

@@ -1,0 +1,226 @@
+"""In-process checks of the pieces under the transports: leases, integrity, planning,
+shaping, options, refusals (layout, token, unknown request)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine.block_manager import BlockAllocator
+from engine.kv_cache import KVLayout
+from kv_transfer import (
+    ExportTicket,
+    FailureReason,
+    FaultOptions,
+    TransferState,
+    TransportOptions,
+    make_receiver,
+    make_sender,
+)
+from kv_transfer.blockio import plan_pieces
+from kv_transfer.integrity import checksum
+from kv_transfer.ownership import ExportRegistry
+from tests.kv_transfer_peer import LAYOUT, random_pool
+
+OPTIONS = TransportOptions(token="secret", timeout_s=5.0)
+
+
+# --- ownership ---------------------------------------------------------------------
+
+
+def test_ack_releases_blocks_exactly_once():
+    registry = ExportRegistry("p0", lease_ttl_s=10)
+    registry.add("r1", [3, 4], 16, "d0", [0, 0])
+    assert registry.ack("r1")
+    assert not registry.ack("r1")  # late or duplicate ack
+    assert not registry.abort("r1")
+    assert registry.poll_released() == [[3, 4]]
+    assert registry.poll_released() == []
+    stats = registry.stats()
+    assert (stats.exports, stats.acks, stats.aborts, stats.pinned_blocks) == (1, 1, 0, 0)
+    registry.close()
+
+
+def test_lease_expires_without_ack_and_heartbeats_keep_it():
+    registry = ExportRegistry("p0", lease_ttl_s=0.2, reap_interval_s=0.02)
+    registry.add("kept", [1], 8, "d0", [0])
+    registry.add("forgotten", [2], 8, "d0", [0])
+    # 1. heartbeats on `kept` for three TTLs; `forgotten` gets none
+    for _ in range(12):
+        assert registry.heartbeat("kept")
+        time.sleep(0.05)
+    assert registry.get("kept").state == TransferState.PENDING
+    assert registry.get("forgotten") is None
+    # 2. the reaper released `forgotten` once, and an ack after expiry changes nothing
+    assert registry.poll_released() == [[2]]
+    assert not registry.ack("forgotten")
+    # 3. silence: `kept` expires too
+    time.sleep(0.35)
+    assert registry.poll_released() == [[1]]
+    assert registry.stats().expiries == 2
+    registry.close()
+
+
+def test_transfer_state_is_ordered():
+    assert TransferState.FAILED < TransferState.PENDING < TransferState.TRANSFERRING
+    assert TransferState.TRANSFERRING < TransferState.DONE
+
+
+# --- integrity and planning --------------------------------------------------------
+
+
+@pytest.mark.parametrize("algo", ["fast", "crc32"])
+def test_checksum_catches_a_flipped_bit_and_swapped_rows(algo):
+    data = np.random.default_rng(0).integers(0, 255, 64 << 10, dtype=np.uint8)
+    reference = checksum(data, algo)
+    flipped = data.copy()
+    flipped[12345] ^= 1
+    swapped = data.copy()
+    swapped[:4096], swapped[4096:8192] = data[4096:8192], data[:4096]
+    assert checksum(flipped, algo) != reference
+    assert checksum(swapped, algo) != reference
+    assert checksum(data.copy(), algo) == reference
+
+
+def test_plan_pieces_are_contiguous_on_both_sides():
+    pieces = plan_pieces([4, 5, 6, 9], [0, 1, 7, 8], block_nbytes=100, chunk_bytes=150)
+    assert [(p.src, p.dst, p.offset, p.nbytes) for p in pieces] == [
+        (400, 0, 0, 150),
+        (550, 150, 150, 50),
+        (600, 700, 200, 100),
+        (900, 800, 300, 100),
+    ]
+
+
+# --- refusals -------------------------------------------------------------------------
+
+
+def _export(transport: str, options: TransportOptions, pool=None):
+    pool = pool or random_pool()
+    sender = make_sender(transport, "prefill-0", pool, options)
+    return sender, sender.export("r", [1, 2, 3], 24, "decode-0")
+
+
+def test_layout_mismatch_is_refused_before_any_byte_moves():
+    sender, ticket = _export("local", OPTIONS)
+    other = replace(LAYOUT, head_dim=8)
+    pool = random_pool(other, seed=3)
+    before = pool.kv.clone()
+    receiver = make_receiver("local", "decode-0", pool, OPTIONS)
+    result = receiver.fetch(ticket, [0, 1, 2], timeout_s=2)
+    assert result.state == TransferState.FAILED
+    assert result.reason == FailureReason.LAYOUT_MISMATCH
+    assert "head_dim" in result.message and "[request r]" in result.message
+    assert torch.equal(pool.kv, before)
+    assert receiver.stats().failures == {"layout_mismatch": 1}
+    sender.close()
+
+
+@pytest.mark.parametrize("transport", ["grpc", "shm", "collective"])
+def test_wrong_cluster_token_is_refused(transport):
+    sender, ticket = _export(transport, OPTIONS)
+    pool = random_pool(seed=5)
+    before = pool.kv.clone()
+    receiver = make_receiver(transport, "decode-0", pool, replace(OPTIONS, token="guess"))
+    result = receiver.fetch(ticket, [0, 1, 2], timeout_s=5)
+    assert result.reason == FailureReason.UNAUTHORIZED, result
+    assert not receiver.keepalive(ticket, timeout_s=2)
+    assert torch.equal(pool.kv, before)
+    assert sender.stats().transfers_served == 0
+    receiver.close()
+    sender.close()
+
+
+def test_fetch_after_ack_is_unknown_and_the_export_stays_released():
+    sender, ticket = _export("grpc", OPTIONS)
+    receiver = make_receiver("grpc", "decode-0", random_pool(seed=6), OPTIONS)
+    assert receiver.fetch(ticket, [0, 1, 2], timeout_s=5).ok
+    sender.ack("r")
+    again = receiver.fetch(ticket, [0, 1, 2], timeout_s=5)
+    assert again.reason == FailureReason.UNKNOWN_REQUEST
+    assert sender.poll_released() == [[1, 2, 3]]
+    receiver.close()
+    sender.close()
+
+
+def test_ticket_round_trips_through_json():
+    import json
+
+    sender, ticket = _export("local", OPTIONS)
+    assert ExportTicket.from_dict(json.loads(json.dumps(ticket.to_dict()))) == ticket
+    sender.close()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(chunk_bytes=0),
+        dict(bandwidth_bytes_per_s=0),
+        dict(lease_ttl_s=0),
+        dict(chunk_bytes=8 << 20, max_message_bytes=4 << 20),
+        dict(checksum="md5"),
+    ],
+)
+def test_options_validate(bad):
+    with pytest.raises(ValueError):
+        TransportOptions(**bad)
+
+
+@pytest.mark.parametrize("bad", [dict(mode="explode"), dict(probability=2.0), dict(stall_s=-1)])
+def test_fault_options_validate(bad):
+    with pytest.raises(ValueError):
+        FaultOptions(**bad)
+
+
+def test_unknown_transport_name_is_refused():
+    with pytest.raises(ValueError, match="unknown KV transport"):
+        make_sender("carrier-pigeon", "p", random_pool(), OPTIONS)
+
+
+# --- shaping -------------------------------------------------------------------------
+
+
+def test_bandwidth_cap_is_accurate_on_32_mib():
+    layout = KVLayout("big", "float32", 1, 1, 512, 256)  # 1 MiB blocks (K and V)
+    src, dst = random_pool(layout, 40), random_pool(layout, 40, seed=1)
+    cap, latency = 128 << 20, 0.05
+    options = replace(OPTIONS, bandwidth_bytes_per_s=cap, added_latency_s=latency)
+    sender = make_sender("local", "shaped", src, options)
+    ticket = sender.export("r", list(range(32)), 32 * 256, "d")
+    result = make_receiver("local", "d", dst, options).fetch(ticket, list(range(32)), 10)
+    assert result.ok
+    expected = (32 << 20) / cap + latency
+    assert abs(result.seconds - expected) / expected < 0.10, (result.seconds, expected)
+    sender.close()
+
+
+# --- proto ---------------------------------------------------------------------------
+
+
+def test_generated_stubs_are_current(tmp_path):
+    proto = Path(__file__).resolve().parent.parent / "proto"
+    subprocess.run([sys.executable, "-m", "proto.generate", "--out", str(tmp_path)], check=True)
+    for name in ("kv_transfer_pb2.py", "kv_transfer_pb2.pyi", "kv_transfer_pb2_grpc.py"):
+        assert (tmp_path / name).read_text() == (proto / name).read_text(), (
+            f"proto/{name} is stale: run proto/generate.sh"
+        )
+
+
+def test_allocator_free_matches_sender_release():
+    """The worker loop pattern: free exactly what poll_released returns."""
+    pool, allocator = random_pool(), BlockAllocator(64)
+    sender = make_sender("local", "p", pool, OPTIONS)
+    ids = allocator.allocate(3, "r")
+    sender.export("r", ids, 24, "d")
+    sender.abort("r")
+    for released in sender.poll_released():
+        allocator.free(released)
+    allocator.assert_all_free()
+    sender.close()
