@@ -43,9 +43,10 @@ class PDCluster:
         self.max_model_len = min(config.max_model_len or context, context)
         self.controller = Controller(config)
         self.router = Router(config.router_policy, self.controller.workers)
-        self.flow = RequestFlow(config, self.router)
+        self.flow = RequestFlow(config, self.router, self.controller.mark_dead)
         self.on_finish: list[Callable[[RequestTimeline, GenerationChunk], None]] = []
-        """Observers of finished requests (metrics); called with the timeline and last chunk."""
+        """Observers (metrics), called once per request however it ends (done, failed,
+        cancelled) with its timeline and last chunk (None when no token came)."""
         self._ids = itertools.count()
 
     async def start(self) -> PDCluster:
@@ -75,8 +76,11 @@ class PDCluster:
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         timeline = RequestTimeline(request_id, arrival=time.time())
         last: GenerationChunk | None = None
-        async for chunk in self.flow.run(request_id, prompt_ids, params, timeline):
-            last = chunk
-            yield chunk
-        for observer in self.on_finish:
-            observer(timeline, last)
+        try:
+            async for chunk in self.flow.run(request_id, prompt_ids, params, timeline):
+                last = chunk
+                yield chunk
+        finally:
+            # Cancelled and failed requests too: their tokens and KV transfers happened.
+            for observer in self.on_finish:
+                observer(timeline, last)

@@ -66,6 +66,12 @@ class ClusterConfig:
     request_timeout_s: float = 600.0
     transfer_timeout_s: float = 30.0
     lease_ttl_s: float = 30.0
+    max_restarts: int = 3
+    """Times the controller restarts one worker after it dies (0 disables restarts)."""
+    restart_backoff_s: float = 1.0
+    """Wait before a restart; doubles with each failed attempt."""
+    recovery_timeout_s: float = 30.0
+    """How long a request waits for a live worker of a role before failing with 503."""
     cluster_token: str | None = None
     """Secret every worker-to-worker KV call carries; the cluster fills in a random one."""
 
@@ -79,12 +85,15 @@ class ClusterConfig:
             raise ConfigError("threads_per_worker must be >= 1")
         if self.gpus_per_worker < 0:
             raise ConfigError("gpus_per_worker must be >= 0")
+        if self.max_restarts < 0 or self.restart_backoff_s < 0:
+            raise ConfigError("max_restarts and restart_backoff_s must be >= 0")
         for name in (
             "health_interval_s",
             "health_timeout_s",
             "request_timeout_s",
             "transfer_timeout_s",
             "lease_ttl_s",
+            "recovery_timeout_s",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")

@@ -7,8 +7,10 @@ advertises both pools. Workers are named actors in the `pdserve` namespace.
 
 Watching: every `health_interval_s` the controller calls `check_health` on every
 worker and waits at most `health_timeout_s`; an error or a timeout marks the worker
-dead at once, so the router stops picking it. (Restarts build on this: see
-docs/operations.md.)
+dead at once, so the router stops picking it. The request flow marks a worker dead
+too when a call to it fails. A dead worker is killed for good and started again
+(up to `max_restarts` times, with exponential backoff); the router takes it back
+when the new actor's first health call succeeds.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import logging
 import os
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
 
 from cluster.config import ClusterConfig
 from cluster.router import WorkerInfo
@@ -40,6 +41,8 @@ class Controller:
         self.workers: dict[str, WorkerInfo] = {}
         self.started_ray = False
         self.watch_task: asyncio.Task | None = None
+        self.restart_tasks: dict[str, asyncio.Task] = {}
+        self.generations: dict[str, int] = {}
 
     # --- start / stop ---------------------------------------------------------------
 
@@ -81,8 +84,11 @@ class Controller:
 
     def _spawn(self, worker_id: str, role: str):
         threads = str(self.config.threads_per_worker)
+        # A restarted worker gets a fresh name: the dead actor's name is released lazily.
+        generation = self.generations.get(worker_id, 0)
+        self.generations[worker_id] = generation + 1
         options = dict(
-            name=f"pdserve-{worker_id}",
+            name=f"pdserve-{worker_id}-g{generation}",
             namespace=self.config.namespace,
             resources={POOL_RESOURCES[role]: 1},
             num_cpus=0,
@@ -102,6 +108,8 @@ class Controller:
     async def shutdown(self) -> None:
         if self.watch_task is not None:
             self.watch_task.cancel()
+        for task in self.restart_tasks.values():
+            task.cancel()
         for worker in self.workers.values():
             # A dead or stuck worker is killed below either way.
             with contextlib.suppress(Exception):
@@ -126,14 +134,48 @@ class Controller:
                 worker.handle.check_health.remote(), timeout=self.config.health_timeout_s
             )
             return True
-        except (RayActorError, GetTimeoutError, asyncio.TimeoutError, RuntimeError) as exc:
+        except Exception as exc:  # any failed health call means unhealthy
             self.mark_dead(worker, repr(exc))
             return False
 
     def mark_dead(self, worker: WorkerInfo, why: str) -> None:
+        """Stop routing to `worker` at once and schedule its restart."""
         if worker.alive:
             logger.warning("worker %s marked dead: %s", worker.worker_id, why)
         worker.alive = False
+        pending = self.restart_tasks.get(worker.worker_id)
+        if (pending is None or pending.done()) and worker.worker_id in self.workers:
+            task = asyncio.get_running_loop().create_task(self._restart(worker))
+            self.restart_tasks[worker.worker_id] = task
+
+    async def _restart(self, worker: WorkerInfo) -> None:
+        backoff = self.config.restart_backoff_s
+        while worker.restarts < self.config.max_restarts:
+            await asyncio.sleep(backoff)
+            backoff *= 2
+            with contextlib.suppress(Exception):
+                ray.kill(worker.handle, no_restart=True)
+            worker.restarts += 1
+            worker.handle = self._spawn(worker.worker_id, worker.role)
+            try:
+                await asyncio.wait_for(
+                    self._first_health(worker), timeout=self.config.recovery_timeout_s * 4
+                )
+            except Exception as exc:
+                logger.warning(
+                    "restart %d of %s failed: %r", worker.restarts, worker.worker_id, exc
+                )
+                continue
+            worker.in_flight = 0
+            worker.alive = True
+            logger.info(
+                "worker %s restarted (%d/%d)",
+                worker.worker_id,
+                worker.restarts,
+                self.config.max_restarts,
+            )
+            return
+        logger.error("worker %s stays dead: %d restarts used", worker.worker_id, worker.restarts)
 
     def live(self, role: str) -> list[WorkerInfo]:
         return [w for w in self.workers.values() if w.role == role and w.alive]

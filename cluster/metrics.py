@@ -1,8 +1,11 @@
 """Prometheus metrics: one object owns every prometheus_client metric of the cluster.
 
-Workers only collect plain stats (health reports, transfer counters, timelines); the
-frontend process turns them into metrics here: request outcomes and timelines as they
-finish, worker gauges (KV blocks, queue depth, liveness) at scrape time.
+A request's path through here: the frontend counts its outcome (`observe_outcome`)
+when it is rejected or its stream ends; when the cluster is done with it, however it
+ended, its `RequestTimeline` arrives (`observe_timeline`) and becomes latency, phase,
+token and KV transfer samples. Worker state (queues, KV pool, leases, batch sizes,
+liveness, GPU) is read at scrape time from the controller's last health reports by
+`cluster.metrics_workers`. Workers themselves only collect plain stats.
 """
 
 from __future__ import annotations
@@ -14,14 +17,14 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
 
+from cluster.metrics_workers import WorkerCollector
 from cluster.timeline import RequestTimeline
 
 # `_created` series double the exposition and no dashboard reads them.
 disable_created_metrics()
 
-# Latency buckets spanning sub-millisecond token gaps to minute-long generations.
+# Sub-millisecond token gaps up to minute-long generations.
 LATENCY_BUCKETS = (
     0.001,
     0.0025,
@@ -44,161 +47,143 @@ LATENCY_BUCKETS = (
     40.0,
     80.0,
 )
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Shared-memory copies of a short prompt take well under a millisecond.
+TRANSFER_BUCKETS = (0.0001, 0.00025, 0.0005, *LATENCY_BUCKETS[:-3])
+# 1 MB/s (a stalled TCP fallback) to 100 GB/s (NVLink).
+BANDWIDTH_BUCKETS = (1e6, 1e7, 5e7, 1e8, 2.5e8, 5e8, 1e9, 2.5e9, 5e9, 1e10, 2.5e10, 5e10, 1e11)
 OUTCOMES = ("ok", "error", "rejected", "timeout", "cancelled")
+ENDPOINTS = ("completions", "chat")
+LINK = ("transport", "src", "dst")
+# (phase, which worker it ran on, that worker's role); `breakdown()` key is `<phase>_s`.
+PHASES = (
+    ("prefill_queue", "prefill_worker", "prefill"),
+    ("prefill", "prefill_worker", "prefill"),
+    ("kv_transfer", "decode_worker", "decode"),
+    ("decode_queue", "decode_worker", "decode"),
+    ("decode", "decode_worker", "decode"),
+)
 
 
 class ClusterMetrics:
-    """Created by the frontend; fed by request handlers and by the cluster's observers."""
+    """Created once by the frontend (`build_app`); rendered on every `GET /metrics`."""
 
     def __init__(self, controller=None):
         self.registry = CollectorRegistry()
-        self.controller = controller
         r = self.registry
         self.requests = Counter(
             "pdserve_requests_total",
-            "Requests by outcome and endpoint",
+            "Requests by outcome (ok, error, rejected, timeout, cancelled) and endpoint",
             ["outcome", "endpoint"],
             registry=r,
         )
-        self.ttft = Histogram(
-            "pdserve_time_to_first_token_seconds",
-            "Server-side time to first token",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.itl = Histogram(
-            "pdserve_inter_token_latency_seconds",
-            "Gap between consecutive tokens",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.tpot = Histogram(
+        self.ttft = _histogram(r, "pdserve_time_to_first_token_seconds", "Arrival to first token")
+        self.itl = _histogram(r, "pdserve_inter_token_latency_seconds", "Gap between tokens")
+        self.tpot = _histogram(
+            r,
             "pdserve_time_per_output_token_seconds",
-            "Decode time divided by output tokens after the first",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+            "Decode time divided by output tokens after the first (finished requests)",
         )
-        self.e2e = Histogram(
-            "pdserve_e2e_request_latency_seconds",
-            "Arrival to last token",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+        self.e2e = _histogram(
+            r, "pdserve_e2e_request_latency_seconds", "Arrival to last token (finished requests)"
         )
-        self.phase = Histogram(
+        self.phase = _histogram(
+            r,
             "pdserve_phase_seconds",
-            "Time per phase (prefill_queue, prefill, kv_transfer, decode_queue, decode)",
+            "Time per phase: prefill_queue, prefill, kv_transfer, decode_queue, decode",
             ["phase", "worker", "role"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
         )
-        self.kv_bytes = Counter(
-            "pdserve_kv_transfer_bytes_total",
-            "KV bytes moved between workers",
-            ["transport", "src", "dst"],
-            registry=r,
-        )
-        self.kv_seconds = Histogram(
-            "pdserve_kv_transfer_seconds",
-            "KV transfer duration",
-            ["transport", "src", "dst"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.kv_failures = Counter(
-            "pdserve_kv_transfer_failures_total",
-            "Failed KV transfers",
-            ["transport", "reason"],
-            registry=r,
-        )
+        self._add_transfer_metrics(r)
         self.prompt_tokens = Counter(
-            "pdserve_prompt_tokens_total", "Prompt tokens processed", registry=r
+            "pdserve_prompt_tokens_total",
+            "Prompt tokens of requests that produced tokens",
+            registry=r,
         )
         self.generated_tokens = Counter(
-            "pdserve_generation_tokens_total", "Tokens generated", registry=r
+            "pdserve_generation_tokens_total", "Tokens generated and streamed", registry=r
         )
-        self.recomputed = Counter(
-            "pdserve_requests_recomputed_total",
-            "Requests whose KV was recomputed after a failed transfer",
+        self.recoveries = Counter(
+            "pdserve_request_recoveries_total",
+            "Failures a request survived, by kind (prefill_died, decode_died, transfer_failed...)",
+            ["kind"],
             registry=r,
         )
         for outcome in OUTCOMES:
-            for endpoint in ("completions", "chat"):
+            for endpoint in ENDPOINTS:
                 self.requests.labels(outcome, endpoint)
         if controller is not None:
-            r.register(_WorkerCollector(controller))
+            r.register(WorkerCollector(controller))
+
+    def _add_transfer_metrics(self, r: CollectorRegistry) -> None:
+        self.kv_bytes = Counter(
+            "pdserve_kv_transfer_bytes_total",
+            "KV bytes moved per link, by the transport that actually moved them",
+            LINK,
+            registry=r,
+        )
+        self.kv_transfers = Counter(
+            "pdserve_kv_transfers_total", "Successful KV transfers per link", LINK, registry=r
+        )
+        self.kv_seconds = _histogram(
+            r, "pdserve_kv_transfer_seconds", "KV transfer duration", LINK, TRANSFER_BUCKETS
+        )
+        self.kv_bandwidth = _histogram(
+            r,
+            "pdserve_kv_transfer_bandwidth_bytes_per_second",
+            "Achieved bandwidth of each KV transfer",
+            LINK,
+            BANDWIDTH_BUCKETS,
+        )
+        self.kv_failures = Counter(
+            "pdserve_kv_transfer_failures_total",
+            "Failed KV transfers by reason (timeout, checksum, peer_died, layout_mismatch...)",
+            [*LINK, "reason"],
+            registry=r,
+        )
 
     def observe_outcome(self, outcome: str, endpoint: str) -> None:
+        """Called by the frontend once per request: at rejection or when its stream ends."""
         self.requests.labels(outcome, endpoint).inc()
 
     def observe_timeline(self, timeline: RequestTimeline) -> None:
-        """Called once per request that produced tokens, when it ends."""
+        """Called by the cluster's `on_finish` once per request, however it ended."""
         b = timeline.breakdown()
+        for kind in timeline.recoveries:
+            self.recoveries.labels(kind).inc()
+        self._observe_transfer(timeline, b)
+        if timeline.first_token is None:
+            return  # rejected before any work, or failed before a token: nothing to time
         self.prompt_tokens.inc(timeline.num_prompt_tokens)
         self.generated_tokens.inc(timeline.num_output_tokens)
-        if b["ttft_s"] is not None:
-            self.ttft.observe(b["ttft_s"])
-        if b["e2e_s"] is not None:
-            self.e2e.observe(b["e2e_s"])
+        self.ttft.observe(b["ttft_s"])
         for gap in timeline.inter_token_latencies():
             self.itl.observe(gap)
-        if b["decode_s"] is not None and timeline.num_output_tokens > 1:
-            self.tpot.observe(b["decode_s"] / (timeline.num_output_tokens - 1))
-        self._observe_phases(timeline, b)
-
-    def _observe_phases(self, timeline: RequestTimeline, b: dict) -> None:
-        prefill, decode = timeline.prefill_worker or "", timeline.decode_worker or ""
-        phases = [
-            ("prefill_queue", prefill, "prefill"),
-            ("prefill", prefill, "prefill"),
-            ("kv_transfer", decode, "decode"),
-            ("decode_queue", decode, "decode"),
-            ("decode", decode, "decode"),
-        ]
-        for phase, worker, role in phases:
-            value = b[f"{phase}_s"]
-            if value is not None:
+        if b["e2e_s"] is not None:
+            self.e2e.observe(b["e2e_s"])
+            if timeline.num_output_tokens > 1:
+                self.tpot.observe(b["decode_s"] / (timeline.num_output_tokens - 1))
+        for phase, worker_key, role in PHASES:
+            value, worker = b[f"{phase}_s"], b[worker_key]
+            if value is not None and worker:
                 self.phase.labels(phase, worker, role).observe(value)
-        if timeline.transport:
-            link = (timeline.transport, prefill, decode)
-            if timeline.transfer_ok:
-                self.kv_bytes.labels(*link).inc(timeline.kv_bytes)
-                self.kv_seconds.labels(*link).observe(b["kv_transfer_s"] or 0.0)
-            else:
-                self.kv_failures.labels(timeline.transport, "transfer").inc()
-        if timeline.recomputed:
-            self.recomputed.inc()
+
+    def _observe_transfer(self, timeline: RequestTimeline, b: dict) -> None:
+        if not timeline.transport or timeline.transfer_ok is None:
+            return  # colocated, or the request never reached a KV import
+        link = (timeline.transport, timeline.prefill_worker or "", timeline.decode_worker or "")
+        if not timeline.transfer_ok:
+            self.kv_failures.labels(*link, timeline.transfer_failure or "unknown").inc()
+            return
+        seconds = b["kv_transfer_s"] or 0.0
+        self.kv_bytes.labels(*link).inc(timeline.kv_bytes)
+        self.kv_transfers.labels(*link).inc()
+        self.kv_seconds.labels(*link).observe(seconds)
+        if seconds > 0:
+            self.kv_bandwidth.labels(*link).observe(timeline.kv_bytes / seconds)
 
     def render(self) -> bytes:
+        """The whole cluster in Prometheus text format; called by `GET /metrics`."""
         return generate_latest(self.registry)
 
 
-class _WorkerCollector:
-    """Scrape-time gauges from the controller's latest health reports."""
-
-    def __init__(self, controller):
-        self.controller = controller
-
-    def collect(self):
-        alive = GaugeMetricFamily("pdserve_workers_alive", "Live workers per role", labels=["role"])
-        used = GaugeMetricFamily(
-            "pdserve_kv_blocks_used", "KV blocks in use", labels=["worker", "role"]
-        )
-        total = GaugeMetricFamily(
-            "pdserve_kv_blocks_total", "KV blocks in the pool", labels=["worker", "role"]
-        )
-        queue = GaugeMetricFamily(
-            "pdserve_worker_queue_depth", "Requests queued or running", labels=["worker", "role"]
-        )
-        counts: dict[str, int] = {}
-        for worker in list(self.controller.workers.values()):
-            counts[worker.role] = counts.get(worker.role, 0) + int(worker.alive)
-            load = worker.load or {}
-            if worker.alive and "total_blocks" in load:
-                labels = [worker.worker_id, worker.role]
-                used.add_metric(labels, load["total_blocks"] - load["free_blocks"])
-                total.add_metric(labels, load["total_blocks"])
-                queue.add_metric(labels, load.get("queue_depth", 0))
-        for role, count in counts.items():
-            alive.add_metric([role], count)
-        yield from (alive, used, total, queue)
+def _histogram(registry, name, doc, labels=(), buckets=LATENCY_BUCKETS) -> Histogram:
+    return Histogram(name, doc, list(labels), buckets=buckets, registry=registry)

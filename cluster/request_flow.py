@@ -1,30 +1,45 @@
 """How one request travels through the cluster, as seen from the driver.
 
 Disaggregated:
-    router picks (prefill, decode)
-    -> prefill.prefill(): queued, prefilled, first token sampled, KV exported -> ticket
-    -> first token streamed to the caller at once (default) while the KV moves
-    -> decode.generate(ticket): admission, KV import (event `imported`), decode stream
-    -> on import the prefill side is acked (its blocks go back); on failure aborted
+    router picks a prefill worker -> prefill(): queued, prefilled, first token
+    sampled, KV exported -> ticket; the first token is streamed at once (default)
+    -> router picks a decode worker -> generate(ticket): admission, KV import
+    (event `imported`), decode stream; the prefill side is acked (blocks freed)
 Colocated:
     router picks a colocated worker -> generate() prefills and decodes in one engine.
 
-A caller that stops iterating (client disconnect) aborts the request on its workers.
+Recovery (the client only sees extra latency):
+  * prefill worker dies before answering -> prefill again on another one; with no
+    prefill worker alive, the decode worker prefills the prompt itself;
+  * KV import fails -> `on_transfer_failure`: `recompute` on the decode worker, or
+    fail with a clear error;
+  * decode worker dies mid-stream -> another decode worker recomputes the KV of the
+    prompt plus every token already decided and continues the same stream (sampling
+    is seeded per output position, so even seeded sampling continues identically);
+  * no live worker of a role for `recovery_timeout_s` -> NoLiveWorkerError (503).
+Any worker call that fails marks that worker dead (router stops using it; the
+controller restarts it). A caller that stops iterating aborts the request.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from ray.exceptions import ActorUnavailableError, RayActorError
+
 from cluster.config import ClusterConfig
-from cluster.router import Router, WorkerInfo
+from cluster.router import NoLiveWorkerError, Router, WorkerInfo
 from cluster.timeline import RequestTimeline
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+WORKER_FAILURES = (RayActorError, ActorUnavailableError)
+_PICK_RETRY_S = 0.1
 
 
 class TransferFailedError(RuntimeError):
@@ -51,10 +66,31 @@ class GenerationChunk:
     """Set on the final chunk: the per-phase breakdown (`RequestTimeline.breakdown`)."""
 
 
+@dataclass
+class _Progress:
+    """What the client has been promised so far; survives worker failures."""
+
+    decided: list[int] = field(default_factory=list)
+    """Token ids fixed for this request (sampled by some worker), in order."""
+    pending_first: GenerationChunk | None = None
+    """The prefill's first token when it is streamed only once decode starts."""
+    ticket: dict | None = None
+    prefill: WorkerInfo | None = None
+    acked: bool = False
+    finished_at_prefill: bool = False
+
+
 class RequestFlow:
-    def __init__(self, config: ClusterConfig, router: Router):
+    def __init__(
+        self,
+        config: ClusterConfig,
+        router: Router,
+        on_worker_failure: Callable[[WorkerInfo, str], None],
+    ):
         self.config = config
         self.router = router
+        self.on_worker_failure = on_worker_failure
+        """The controller's `mark_dead`: called when a call to a worker fails."""
 
     async def run(
         self,
@@ -64,37 +100,39 @@ class RequestFlow:
         timeline: RequestTimeline,
     ) -> AsyncIterator[GenerationChunk]:
         timeline.num_prompt_tokens = len(prompt_ids)
-        if self.config.mode == "colocated":
-            source = self._colocated(request_id, prompt_ids, params, timeline)
-        else:
-            source = self._disaggregated(request_id, prompt_ids, params, timeline)
-        async for chunk in source:
-            now = time.time()
-            timeline.stamp_token(now, len(chunk.token_ids))
-            timeline.num_output_tokens = chunk.num_output_tokens
-            chunk.num_prompt_tokens = len(prompt_ids)
-            if chunk.finished:
-                timeline.finish = now
-                chunk.timings = timeline.breakdown()
-            yield chunk
+        progress = _Progress()
+        if self.config.mode == "disaggregated":
+            async for chunk in self._prefill_phase(
+                request_id, prompt_ids, params, timeline, progress
+            ):
+                yield self._stamp(chunk, timeline, len(prompt_ids))
+            if progress.finished_at_prefill:
+                return
+        async for chunk in self._decode_phase(request_id, prompt_ids, params, timeline, progress):
+            yield self._stamp(chunk, timeline, len(prompt_ids))
 
-    async def _colocated(
-        self, request_id, prompt_ids, params, timeline
-    ) -> AsyncIterator[GenerationChunk]:
-        worker = self.router.pick("colocated", request_id)
-        timeline.decode_worker = worker.worker_id
-        async for item in self._decode_stream(worker, request_id, prompt_ids, [], params, None):
-            yield _token_chunk(request_id, item)
+    @staticmethod
+    def _stamp(
+        chunk: GenerationChunk, timeline: RequestTimeline, num_prompt: int
+    ) -> GenerationChunk:
+        now = time.time()
+        timeline.stamp_token(now, len(chunk.token_ids))
+        timeline.num_output_tokens = chunk.num_output_tokens
+        chunk.num_prompt_tokens = num_prompt
+        if chunk.finished:
+            timeline.finish = now
+            chunk.timings = timeline.breakdown()
+        return chunk
 
-    async def _disaggregated(
-        self, request_id, prompt_ids, params, timeline
-    ) -> AsyncIterator[GenerationChunk]:
-        prefill = self.router.pick("prefill", request_id)
-        decode = self.router.pick("decode", request_id)
-        timeline.prefill_worker, timeline.decode_worker = prefill.worker_id, decode.worker_id
-        result = await self._prefill(
-            prefill, request_id, prompt_ids, params, decode.worker_id, timeline
+    # --- prefill ----------------------------------------------------------------------
+
+    async def _prefill_phase(self, request_id, prompt_ids, params, timeline, progress):
+        result = await self._prefill_on_some_worker(
+            request_id, prompt_ids, params, timeline, progress
         )
+        if result is None:  # no prefill worker alive: the decode worker prefills
+            timeline.recoveries.append("decode_side_prefill")
+            return
         first = GenerationChunk(
             request_id,
             [result["first_token_id"]],
@@ -103,27 +141,38 @@ class RequestFlow:
             finish_reason=result["finish_reason"],
             num_output_tokens=1,
         )
-        first_pending = True
+        progress.decided.append(result["first_token_id"])
+        progress.ticket = result["ticket"]
+        progress.finished_at_prefill = first.finished
         if self.config.first_token_from == "prefill" or first.finished:
-            first_pending = False
             yield first
-        if first.finished:
-            return
-        stream = self._decode_stream(
-            decode, request_id, prompt_ids, [first.token_ids[0]], params, result["ticket"]
-        )
+        else:
+            progress.pending_first = first
+
+    async def _prefill_on_some_worker(self, request_id, prompt_ids, params, timeline, progress):
+        """First prefill worker that answers; None when none is alive."""
+        while True:
+            try:
+                prefill = self.router.pick("prefill", request_id)
+            except NoLiveWorkerError:
+                return None
+            decode_hint = self._peek_decode(request_id)
+            try:
+                result = await self._prefill(
+                    prefill, request_id, prompt_ids, params, decode_hint, timeline
+                )
+            except WORKER_FAILURES as exc:
+                self._failed(prefill, exc, timeline, "prefill_died")
+                continue
+            progress.prefill = prefill
+            timeline.prefill_worker = prefill.worker_id
+            return result
+
+    def _peek_decode(self, request_id: str) -> str:
         try:
-            async for item in stream:
-                if item["event"] == "imported":
-                    self._on_imported(prefill, request_id, item, timeline)
-                    continue
-                if first_pending:
-                    first_pending = False
-                    yield first
-                yield _token_chunk(request_id, item)
-        except BaseException:
-            prefill.handle.abort.remote(request_id)
-            raise
+            return self.router.pick("decode", request_id).worker_id
+        except NoLiveWorkerError:
+            return ""
 
     async def _prefill(
         self, prefill: WorkerInfo, request_id, prompt_ids, params, peer_id, timeline
@@ -138,8 +187,55 @@ class RequestFlow:
         timeline.prefill_end = result["prefill_done_at"]
         return result
 
+    # --- decode -----------------------------------------------------------------------
+
+    async def _decode_phase(self, request_id, prompt_ids, params, timeline, progress):
+        role = "colocated" if self.config.mode == "colocated" else "decode"
+        try:
+            while True:
+                worker = await self._pick_waiting(role, request_id)
+                timeline.decode_worker = worker.worker_id
+                try:
+                    async for chunk in self._decode_on(
+                        worker, request_id, prompt_ids, params, timeline, progress
+                    ):
+                        yield chunk
+                    return
+                except WORKER_FAILURES as exc:
+                    self._failed(worker, exc, timeline, f"{role}_died")
+                    self._release_prefill_side(request_id, progress)
+                    progress.ticket = None  # the next worker recomputes prompt + decided tokens
+        except BaseException:
+            self._release_prefill_side(request_id, progress)
+            raise
+
+    async def _decode_on(self, worker, request_id, prompt_ids, params, timeline, progress):
+        stream = self._decode_stream(
+            worker, request_id, prompt_ids, list(progress.decided), params, progress.ticket
+        )
+        async for item in stream:
+            if item["event"] == "imported":
+                self._on_imported(request_id, item, timeline, progress)
+                continue
+            if progress.pending_first is not None:
+                first, progress.pending_first = progress.pending_first, None
+                yield first
+            progress.decided += item["token_ids"]
+            yield _token_chunk(request_id, item)
+
+    async def _pick_waiting(self, role: str, request_id: str) -> WorkerInfo:
+        """A live worker of `role`, waiting up to `recovery_timeout_s` for one to come back."""
+        deadline = time.monotonic() + self.config.recovery_timeout_s
+        while True:
+            try:
+                return self.router.pick(role, request_id)
+            except NoLiveWorkerError:
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(_PICK_RETRY_S)
+
     def _on_imported(
-        self, prefill: WorkerInfo, request_id: str, item: dict, timeline: RequestTimeline
+        self, request_id: str, item: dict, timeline: RequestTimeline, progress: _Progress
     ) -> None:
         timeline.decode_queue_start = item["admission_start"]
         timeline.decode_queue_end = item["transfer_start"]
@@ -148,13 +244,30 @@ class RequestFlow:
         timeline.transport = item["transport"]
         timeline.kv_bytes = item["num_bytes"]
         timeline.transfer_ok = item["ok"]
+        timeline.transfer_failure = item["reason"]
         if item["ok"]:
-            prefill.handle.ack.remote(request_id)
+            progress.acked = True
+            progress.prefill.handle.ack.remote(request_id)
             return
-        prefill.handle.abort.remote(request_id)
+        self._release_prefill_side(request_id, progress)
         if self.config.on_transfer_failure == "fail":
             raise TransferFailedError(request_id, item["reason"], item["message"])
         timeline.recomputed = True
+        timeline.recoveries.append("transfer_failed")
+
+    def _release_prefill_side(self, request_id: str, progress: _Progress) -> None:
+        """Return the exported blocks now rather than at lease expiry."""
+        if progress.prefill is not None and progress.ticket is not None and not progress.acked:
+            progress.acked = True
+            if progress.prefill.alive:
+                progress.prefill.handle.abort.remote(request_id)
+
+    def _failed(
+        self, worker: WorkerInfo, exc: BaseException, timeline: RequestTimeline, what: str
+    ) -> None:
+        logger.warning("request %s: %s (%s): %r", timeline.request_id, what, worker.worker_id, exc)
+        timeline.recoveries.append(what)
+        self.on_worker_failure(worker, repr(exc))
 
     async def _decode_stream(
         self, worker: WorkerInfo, request_id, prompt_ids, output_ids, params, ticket
@@ -171,7 +284,7 @@ class RequestFlow:
                 yield item
         finally:
             worker.in_flight -= 1
-            if not finished:
+            if not finished and worker.alive:
                 worker.handle.abort.remote(request_id)
 
 

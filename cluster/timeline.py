@@ -30,7 +30,11 @@ class RequestTimeline:
     transport: str | None = None
     kv_bytes: int = 0
     transfer_ok: bool | None = None
+    transfer_failure: str | None = None
+    """`FailureReason` value when the KV import failed."""
     recomputed: bool = False
+    recoveries: list[str] = field(default_factory=list)
+    """What went wrong and was recovered from: prefill_died, decode_died, transfer_failed..."""
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
 
@@ -54,6 +58,7 @@ class RequestTimeline:
             "prefill_worker": self.prefill_worker,
             "decode_worker": self.decode_worker,
             "recomputed": self.recomputed,
+            "recoveries": list(self.recoveries),
         }
 
     def inter_token_latencies(self) -> list[float]:

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 
 from cluster.config import ClusterConfig
+from cluster.gpu_stats import read_gpu_stats
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -27,6 +29,7 @@ from kv_transfer.base import ExportTicket, TransferResult
 logger = logging.getLogger(__name__)
 
 _ADMISSION_POLL_S = 0.005
+_KEEPALIVE_EVERY_S = 1.0
 
 
 class DecodeWorker:
@@ -109,7 +112,7 @@ class DecodeWorker:
         loop = self._engine_loop()
         ticket = ExportTicket.from_dict(ticket_dict)
         admission_start = time.time()
-        block_ids = await self._admit(request_id, ticket.num_tokens)
+        block_ids = await self._admit(request_id, ticket)
         transfer_start = time.time()
         result: TransferResult = await asyncio.to_thread(
             self.receiver.fetch, ticket, block_ids, self.config.transfer_timeout_s
@@ -139,15 +142,20 @@ class DecodeWorker:
             "worker_id": self.worker_id,
         }
 
-    async def _admit(self, request_id: str, num_tokens: int) -> list[int]:
-        """Reserve blocks for the imported KV, waiting (never failing) while the pool is full."""
+    async def _admit(self, request_id: str, ticket: ExportTicket) -> list[int]:
+        """Reserve blocks for the imported KV, waiting (never failing) while the pool is full.
+        While it waits, the sender's lease on the exported blocks is kept alive."""
         loop = self._engine_loop()
         self.admission_waiting += 1
+        last_keepalive = time.monotonic()
         try:
             while True:
-                block_ids = await loop.call(lambda e: e.reserve_blocks(num_tokens, request_id))
+                block_ids = await loop.call(lambda e: e.reserve_blocks(ticket.num_tokens, request_id))
                 if block_ids is not None:
                     return block_ids
+                if time.monotonic() - last_keepalive > _KEEPALIVE_EVERY_S:
+                    last_keepalive = time.monotonic()
+                    await asyncio.to_thread(self.receiver.keepalive, ticket)
                 await asyncio.sleep(_ADMISSION_POLL_S)
         finally:
             self.admission_waiting -= 1
@@ -170,6 +178,14 @@ class DecodeWorker:
             "total_blocks": stats.total_blocks,
             "num_threads": _torch_threads(),
             "node_id": _node_id(),
+            "num_running": stats.num_running,
+            "num_waiting": stats.num_waiting + self.admission_waiting,
+            "batch_sizes": {
+                "prefill": stats.prefill_batch_sizes,
+                "decode": stats.decode_batch_sizes,
+            },
+            "gpu": read_gpu_stats(self.config.device),
+            "pid": os.getpid(),
         }
         if self.receiver is not None:
             health["transfer"] = asdict(self.receiver.stats())

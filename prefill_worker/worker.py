@@ -13,10 +13,12 @@ Lifecycle of a request here:
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass
 
 from cluster.config import ClusterConfig
+from cluster.gpu_stats import read_gpu_stats
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -129,6 +131,14 @@ class PrefillWorker:
             "total_blocks": stats.total_blocks,
             "num_threads": _torch_threads(),
             "node_id": _node_id(),
+            "num_running": stats.num_running,
+            "num_waiting": stats.num_waiting,
+            "batch_sizes": {
+                "prefill": stats.prefill_batch_sizes,
+                "decode": stats.decode_batch_sizes,
+            },
+            "gpu": read_gpu_stats(self.config.device),
+            "pid": os.getpid(),
             "transfer": asdict(self.sender.stats()),
         }
 

@@ -1,0 +1,120 @@
+"""Scrape-time metric families built from the controller's last health report per worker.
+
+On every `GET /metrics`, `ClusterMetrics.render` runs `WorkerCollector.collect`, which
+reads `controller.workers` (each `WorkerInfo.load` is the worker's last `check_health`
+answer, refreshed every `health_interval_s`) and yields fresh families: nothing is
+stored here, so a worker that is gone simply stops having series. Families are always
+declared, even empty, so dashboards and tests can rely on every name existing.
+"""
+
+from __future__ import annotations
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+WORKER = ["worker", "role"]
+
+
+class WorkerCollector:
+    """Registered once by `ClusterMetrics` in its registry; `collect` runs per scrape."""
+
+    def __init__(self, controller):
+        self.controller = controller
+
+    def collect(self):
+        families = _Families()
+        alive: dict[str, int] = {}
+        for worker in list(self.controller.workers.values()):
+            alive[worker.role] = alive.get(worker.role, 0) + int(worker.alive)
+            labels = [worker.worker_id, worker.role]
+            families.restarts.add_metric(labels, worker.restarts)
+            if worker.alive and worker.load:
+                families.add_worker(labels, worker.load)
+        for role, count in sorted(alive.items()):
+            families.alive.add_metric([role], count)
+        families.transport.add_metric([str(self.controller.config.transport)], 1)
+        yield from families.all()
+
+
+class _Families:
+    """One scrape's families; `add_worker` adds one live worker's samples."""
+
+    def __init__(self):
+        self.alive = GaugeMetricFamily(
+            "pdserve_workers_alive", "Live workers per role", labels=["role"]
+        )
+        self.restarts = CounterMetricFamily(
+            "pdserve_worker_restarts", "Times each worker was restarted", labels=WORKER
+        )
+        self.transport = GaugeMetricFamily(
+            "pdserve_kv_transport_configured_info",
+            "KV transport the cluster was configured with (compare with the transport label "
+            "of pdserve_kv_transfer_bytes_total to spot a fallback)",
+            labels=["transport"],
+        )
+        self.running = _gauge("pdserve_requests_running", "Requests in the worker's running batch")
+        self.waiting = _gauge("pdserve_requests_waiting", "Requests queued at the worker")
+        self.blocks_used = _gauge("pdserve_kv_blocks_used", "KV blocks in use")
+        self.blocks_total = _gauge("pdserve_kv_blocks_total", "KV blocks in the pool")
+        self.leases = _gauge(
+            "pdserve_kv_leases_outstanding", "Exports holding blocks for a decode worker"
+        )
+        self.leased_blocks = _gauge("pdserve_kv_leased_blocks", "Blocks held by outstanding leases")
+        self.expired = CounterMetricFamily(
+            "pdserve_kv_leases_expired", "Leases that expired before an ack", labels=WORKER
+        )
+        self.prefill_batch = HistogramMetricFamily(
+            "pdserve_prefill_batch_size", "Sequences prefilled per engine step", labels=WORKER
+        )
+        self.decode_batch = HistogramMetricFamily(
+            "pdserve_decode_batch_size", "Sequences decoded per engine step", labels=WORKER
+        )
+        self.gpu_util = _gauge("pdserve_gpu_utilization_ratio", "GPU busy fraction (NVML)")
+        self.gpu_used = _gauge("pdserve_gpu_memory_used_bytes", "GPU memory used (NVML)")
+        self.gpu_total = _gauge("pdserve_gpu_memory_total_bytes", "GPU memory size (NVML)")
+
+    def add_worker(self, labels: list[str], load: dict) -> None:
+        if "total_blocks" in load:
+            self.blocks_used.add_metric(labels, load["total_blocks"] - load["free_blocks"])
+            self.blocks_total.add_metric(labels, load["total_blocks"])
+        if "num_running" in load:
+            self.running.add_metric(labels, load["num_running"])
+            self.waiting.add_metric(labels, load["num_waiting"])
+        transfer = load.get("transfer") or {}
+        if "pinned_requests" in transfer:  # the sender side: prefill workers
+            self.leases.add_metric(labels, transfer["pinned_requests"])
+            self.leased_blocks.add_metric(labels, transfer["pinned_blocks"])
+            self.expired.add_metric(labels, transfer["expiries"])
+        batches = load.get("batch_sizes") or {}
+        for family, sizes in (
+            (self.prefill_batch, batches.get("prefill")),
+            (self.decode_batch, batches.get("decode")),
+        ):
+            if sizes is not None:
+                family.add_metric(labels, *_histogram_of(sizes))
+        gpu = load.get("gpu")
+        if gpu:
+            self.gpu_util.add_metric(labels, gpu["utilization_ratio"])
+            self.gpu_used.add_metric(labels, gpu["memory_used_bytes"])
+            self.gpu_total.add_metric(labels, gpu["memory_total_bytes"])
+
+    def all(self) -> list:
+        return list(vars(self).values())
+
+
+def _gauge(name: str, doc: str) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, f"{doc}, per worker", labels=WORKER)
+
+
+def _histogram_of(sizes: dict[int, int]) -> tuple[list[tuple[str, float]], float]:
+    """Cumulative Prometheus buckets and sum from exact counts (batch size -> steps)."""
+    buckets = [
+        (str(float(bound)), float(sum(n for size, n in sizes.items() if size <= bound)))
+        for bound in BATCH_BUCKETS
+    ]
+    buckets.append(("+Inf", float(sum(sizes.values()))))
+    return buckets, float(sum(size * n for size, n in sizes.items()))
