@@ -59,6 +59,7 @@ class RequestTimeline:
             "decode_worker": self.decode_worker,
             "recomputed": self.recomputed,
             "recoveries": list(self.recoveries),
+            "transfer_failure": self.transfer_failure,
         }
 
     def inter_token_latencies(self) -> list[float]:
