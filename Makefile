@@ -9,13 +9,14 @@ TORCH_VERSION := 2.13.0
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test lint format generate bench clean help
+.PHONY: setup serve test lint format generate bench clean help tools
 
 help:
 	@echo "make serve   - set up, then serve the demo model on http://127.0.0.1:8000"
 	@echo "make test    - set up, then run ruff and the test suite"
 	@echo "make bench   - engine benchmark (writes nothing; see docs/benchmarks.md)"
 	@echo "make format  - apply ruff formatting and import sorting"
+	@echo "make tools   - unpack promtool + prometheus (Debian package) into .tools/ for the metrics tests"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -52,11 +53,22 @@ format: setup
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-test: lint
+test: lint tools
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# promtool and prometheus for tests/test_metrics.py, from Debian's `prometheus` package,
+# unpacked (never installed: no service starts) into .tools/prometheus/usr/bin.
+PROM_BIN := .tools/prometheus/usr/bin
+tools:
+	@if command -v promtool >/dev/null && command -v prometheus >/dev/null; then exit 0; fi; \
+	if [ -x $(PROM_BIN)/promtool ] && [ -x $(PROM_BIN)/prometheus ]; then exit 0; fi; \
+	echo "fetching promtool + prometheus (Debian package, unpacked into .tools/)"; \
+	tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && chmod 777 "$$tmp" && \
+	apt-get update -qq && (cd "$$tmp" && apt-get download -qq prometheus) && \
+	mkdir -p .tools/prometheus && dpkg -x "$$tmp"/prometheus_*.deb .tools/prometheus
 
 bench: setup
 	$(BIN)/pdserve bench engine --model demo
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info .tools

@@ -59,7 +59,7 @@ class _Families:
         self.running = _gauge("pdserve_requests_running", "Requests in the worker's running batch")
         self.waiting = _gauge("pdserve_requests_waiting", "Requests queued at the worker")
         self.blocks_used = _gauge("pdserve_kv_blocks_used", "KV blocks in use")
-        self.blocks_total = _gauge("pdserve_kv_blocks_total", "KV blocks in the pool")
+        self.blocks_total = _gauge("pdserve_kv_blocks_capacity", "KV blocks in the pool")
         self.leases = _gauge(
             "pdserve_kv_leases_outstanding", "Exports holding blocks for a decode worker"
         )

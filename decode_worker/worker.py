@@ -150,7 +150,9 @@ class DecodeWorker:
         last_keepalive = time.monotonic()
         try:
             while True:
-                block_ids = await loop.call(lambda e: e.reserve_blocks(ticket.num_tokens, request_id))
+                block_ids = await loop.call(
+                    lambda e: e.reserve_blocks(ticket.num_tokens, request_id)
+                )
                 if block_ids is not None:
                     return block_ids
                 if time.monotonic() - last_keepalive > _KEEPALIVE_EVERY_S:

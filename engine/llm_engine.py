@@ -11,7 +11,7 @@ skips straight to decode. Workers and the CLI drive `step()` in their own loops.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -42,6 +42,10 @@ class EngineStats:
     free_blocks: int
     total_blocks: int
     num_preemptions: int
+    prefill_batch_sizes: dict[int, int] = field(default_factory=dict)
+    """Steps so far by how many sequences prefilled in them (batch size -> steps)."""
+    decode_batch_sizes: dict[int, int] = field(default_factory=dict)
+    """Steps so far by how many sequences decoded one token in them."""
 
 
 class LLMEngine:
@@ -71,6 +75,8 @@ class LLMEngine:
         self.sampler = Sampler()
         self.tokenizer = Tokenizer(self.model_dir)
         self.sequences: dict[str, Sequence] = {}
+        self.prefill_batch_sizes: dict[int, int] = {}
+        self.decode_batch_sizes: dict[int, int] = {}
 
     # --- requests -----------------------------------------------------------------
 
@@ -184,6 +190,8 @@ class LLMEngine:
             free_blocks=self.allocator.num_free,
             total_blocks=self.allocator.num_blocks,
             num_preemptions=self.scheduler.num_preemptions,
+            prefill_batch_sizes=dict(self.prefill_batch_sizes),
+            decode_batch_sizes=dict(self.decode_batch_sizes),
         )
 
     # --- stepping -----------------------------------------------------------------
@@ -193,6 +201,7 @@ class LLMEngine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
+        self._count_batch(chunks)
         result = self.runner.run(chunks)
         for chunk in chunks:
             chunk.seq.num_computed_tokens += chunk.num_new_tokens
@@ -203,6 +212,22 @@ class LLMEngine:
             result.logits, [s.params for s in seqs], [len(s.output_token_ids) for s in seqs]
         )
         return [self._append_token(seq, token) for seq, token in zip(seqs, tokens, strict=True)]
+
+    def _count_batch(self, chunks: list) -> None:
+        # Exact sizes, not buckets: at most max_num_seqs keys, and metrics picks the buckets.
+        decode = sum(
+            1
+            for c in chunks
+            if c.seq.output_token_ids
+            and c.num_new_tokens == 1
+            and c.seq.num_computed_tokens == c.seq.num_tokens - 1
+        )
+        for sizes, size in (
+            (self.decode_batch_sizes, decode),
+            (self.prefill_batch_sizes, len(chunks) - decode),
+        ):
+            if size:
+                sizes[size] = sizes.get(size, 0) + 1
 
     def _append_token(self, seq: Sequence, token_id: int) -> SequenceOutput:
         seq.output_token_ids.append(token_id)
