@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     from cluster.serve import add_serve_parser
 
     add_serve_parser(sub)
+    from bench.drill import add_drill_parser
+
+    add_drill_parser(sub)
     _model_parser(sub)
     from bench.cli import add_bench_parser
 

@@ -182,8 +182,13 @@ class Controller:
 
     async def debug_states(self) -> dict[str, dict]:
         """Leak check across the cluster: per live worker, blocks used and leases held."""
-        states = {}
-        for worker in self.workers.values():
-            if worker.alive:
-                states[worker.worker_id] = await worker.handle.debug_state.remote()
-        return states
+        live = [w for w in self.workers.values() if w.alive]
+        replies = await asyncio.gather(
+            *(
+                asyncio.wait_for(w.handle.debug_state.remote(), self.config.health_timeout_s)
+                for w in live
+            ),
+            return_exceptions=True,
+        )
+        # A worker that dies while answering is left out; its restart starts empty.
+        return {w.worker_id: r for w, r in zip(live, replies, strict=True) if isinstance(r, dict)}

@@ -76,6 +76,11 @@ def build_app(
     async def prometheus_metrics():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @app.get("/admin/workers")
+    async def admin_workers(request: Request):
+        handler.authorize(request)
+        return await handler.workers()
+
     @app.get("/v1/models")
     async def models(request: Request):
         handler.authorize(request)
@@ -125,6 +130,25 @@ class OpenAIHandler:
                 }
             ],
         }
+
+    async def workers(self) -> dict:
+        """Drills and operators: every worker's liveness, process, restarts and KV held."""
+        states = await self.cluster.controller.debug_states()
+        rows = []
+        for worker in self.cluster.controller.workers.values():
+            load = worker.load or {}
+            rows.append(
+                {
+                    "worker_id": worker.worker_id,
+                    "role": worker.role,
+                    "alive": worker.alive,
+                    "restarts": worker.restarts,
+                    "pid": load.get("pid"),
+                    "node_id": load.get("node_id"),
+                    **states.get(worker.worker_id, {}),
+                }
+            )
+        return {"workers": rows}
 
     def authorize(self, request: Request) -> None:
         key = self.settings.api_key

@@ -74,6 +74,8 @@ class _Progress:
     """Token ids fixed for this request (sampled by some worker), in order."""
     pending_first: GenerationChunk | None = None
     """The prefill's first token when it is streamed only once decode starts."""
+    text_len: int = 0
+    """Characters of text of the decided tokens, as streamed (or about to be)."""
     ticket: dict | None = None
     prefill: WorkerInfo | None = None
     acked: bool = False
@@ -142,6 +144,7 @@ class RequestFlow:
             num_output_tokens=1,
         )
         progress.decided.append(result["first_token_id"])
+        progress.text_len += len(first.text)
         progress.ticket = result["ticket"]
         progress.finished_at_prefill = first.finished
         if self.config.first_token_from == "prefill" or first.finished:
@@ -210,9 +213,7 @@ class RequestFlow:
             raise
 
     async def _decode_on(self, worker, request_id, prompt_ids, params, timeline, progress):
-        stream = self._decode_stream(
-            worker, request_id, prompt_ids, list(progress.decided), params, progress.ticket
-        )
+        stream = self._decode_stream(worker, request_id, prompt_ids, params, progress)
         async for item in stream:
             if item["event"] == "imported":
                 self._on_imported(request_id, item, timeline, progress)
@@ -221,6 +222,7 @@ class RequestFlow:
                 first, progress.pending_first = progress.pending_first, None
                 yield first
             progress.decided += item["token_ids"]
+            progress.text_len += len(item["text"])
             yield _token_chunk(request_id, item)
 
     async def _pick_waiting(self, role: str, request_id: str) -> WorkerInfo:
@@ -270,13 +272,19 @@ class RequestFlow:
         self.on_worker_failure(worker, repr(exc))
 
     async def _decode_stream(
-        self, worker: WorkerInfo, request_id, prompt_ids, output_ids, params, ticket
+        self, worker: WorkerInfo, request_id, prompt_ids, params, progress: _Progress
     ):
+        """One decode worker's stream, resuming from what `progress` has decided so far."""
         worker.in_flight += 1
         finished = False
         try:
             stream = worker.handle.generate.options(num_returns="streaming").remote(
-                request_id, prompt_ids, output_ids, params, ticket
+                request_id,
+                prompt_ids,
+                list(progress.decided),
+                params,
+                progress.ticket,
+                progress.text_len,
             )
             async for ref in stream:
                 item = await ref

@@ -17,7 +17,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 from cluster.config import ClusterConfig
 from cluster.gpu_stats import read_gpu_stats
@@ -30,6 +30,17 @@ logger = logging.getLogger(__name__)
 
 _ADMISSION_POLL_S = 0.005
 _KEEPALIVE_EVERY_S = 1.0
+
+
+@dataclass(frozen=True)
+class _DecodeRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    """Tokens already decided (by prefill or an earlier decode worker)."""
+    params: SamplingParams
+    emitted_text_len: int
+    """Characters of their text the client already has."""
 
 
 class DecodeWorker:
@@ -62,24 +73,27 @@ class DecodeWorker:
         output_token_ids: list[int],
         params: SamplingParams,
         ticket: dict | None = None,
+        emitted_text_len: int = 0,
     ) -> AsyncIterator[dict]:
         """Streaming call, one per request. Yields an `imported` event (when a ticket was
-        given), then one item per new token; the last item has `finished`."""
+        given), then one item per new token; the last item has `finished`.
+        `emitted_text_len`: characters of the output the client already has."""
         loop = self._engine_loop()
         stream = loop.open_stream(request_id)
+        request = _DecodeRequest(
+            request_id, prompt_token_ids, output_token_ids, params, emitted_text_len
+        )
         finished = False
         try:
             if ticket is not None:
-                event = await self._import(
-                    request_id, prompt_token_ids, output_token_ids, params, ticket
-                )
+                event = await self._import(request, ticket)
                 yield event
                 if not event["ok"]:
                     if self.config.on_transfer_failure == "fail":
                         return
-                    await self._prefill_here(request_id, prompt_token_ids, output_token_ids, params)
+                    await self._prefill_here(request)
             else:
-                await self._prefill_here(request_id, prompt_token_ids, output_token_ids, params)
+                await self._prefill_here(request)
             while not finished:
                 output = await stream.get()
                 if output is None:  # aborted by the caller
@@ -99,20 +113,23 @@ class DecodeWorker:
             if not finished:
                 await loop.call(lambda e: e.abort(request_id))
 
-    async def _prefill_here(self, request_id, prompt_token_ids, output_token_ids, params) -> None:
+    async def _prefill_here(self, r: _DecodeRequest) -> None:
+        """Compute the KV of prompt + decided tokens here (colocated, recovery, recompute)."""
         await self._engine_loop().call(
             lambda e: e.add_request(
-                request_id, prompt_token_ids, params, output_token_ids=output_token_ids
+                r.request_id,
+                r.prompt_token_ids,
+                r.params,
+                output_token_ids=r.output_token_ids,
+                emitted_text_len=r.emitted_text_len,
             )
         )
 
-    async def _import(
-        self, request_id, prompt_token_ids, output_token_ids, params, ticket_dict
-    ) -> dict:
+    async def _import(self, r: _DecodeRequest, ticket_dict: dict) -> dict:
         loop = self._engine_loop()
         ticket = ExportTicket.from_dict(ticket_dict)
         admission_start = time.time()
-        block_ids = await self._admit(request_id, ticket)
+        block_ids = await self._admit(r.request_id, ticket)
         transfer_start = time.time()
         result: TransferResult = await asyncio.to_thread(
             self.receiver.fetch, ticket, block_ids, self.config.transfer_timeout_s
@@ -121,13 +138,18 @@ class DecodeWorker:
         if result.ok:
             await loop.call(
                 lambda e: e.add_prefilled(
-                    request_id, prompt_token_ids, output_token_ids, params, block_ids
+                    r.request_id,
+                    r.prompt_token_ids,
+                    r.output_token_ids,
+                    r.params,
+                    block_ids,
+                    emitted_text_len=r.emitted_text_len,
                 )
             )
         else:
             await loop.call(lambda e: e.release_blocks(block_ids))
             logger.warning(
-                "request %s: KV import failed: %s %s", request_id, result.reason, result.message
+                "request %s: KV import failed: %s %s", r.request_id, result.reason, result.message
             )
         return {
             "event": "imported",

@@ -111,8 +111,10 @@ class LLMEngine:
         params: SamplingParams,
         stop_after_prefill: bool = False,
         output_token_ids: list[int] | None = None,
+        emitted_text_len: int | None = None,
     ) -> Sequence:
-        """Queue a request. `output_token_ids` resumes one whose tokens were already streamed."""
+        """Queue a request. `output_token_ids` resumes one whose tokens were already decided
+        elsewhere; `emitted_text_len` says how much of their text the client already has."""
         self.validate(request_id, prompt_token_ids, params)
         seq = Sequence(
             request_id=request_id,
@@ -121,9 +123,7 @@ class LLMEngine:
             output_token_ids=list(output_token_ids or []),
             stop_after_prefill=stop_after_prefill,
         )
-        seq.detokenizer = IncrementalDetokenizer(
-            self.tokenizer, seq.prompt_token_ids + seq.output_token_ids
-        )
+        self._replay_text(seq, emitted_text_len)
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -145,6 +145,7 @@ class LLMEngine:
         output_token_ids: list[int],
         params: SamplingParams,
         block_ids: list[int],
+        emitted_text_len: int | None = None,
     ) -> Sequence:
         """Join the decode batch with KV already imported into `block_ids` (covering the prompt)."""
         self.validate(request_id, prompt_token_ids, params)
@@ -156,13 +157,19 @@ class LLMEngine:
             block_ids=list(block_ids),
             num_computed_tokens=len(prompt_token_ids),
         )
-        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
-        for token_id in output_token_ids:
-            seq.output_text += seq.detokenizer.push(token_id)
-        seq.emitted_text_len = len(seq.output_text)
+        self._replay_text(seq, emitted_text_len)
         self.sequences[request_id] = seq
         self.scheduler.add_running(seq)
         return seq
+
+    def _replay_text(self, seq: Sequence, emitted_text_len: int | None) -> None:
+        """Rebuild the text of tokens decided elsewhere, so that text held back there (a
+        partial UTF-8 character, a possible stop string) is still streamed from here."""
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
+        for token_id in seq.output_token_ids:
+            seq.output_text += seq.detokenizer.push(token_id)
+        known = len(seq.output_text) if emitted_text_len is None else emitted_text_len
+        seq.emitted_text_len = min(known, len(seq.output_text))
 
     def abort(self, request_id: str) -> bool:
         """Drop a request wherever it is; its blocks return to the pool. Idempotent."""

@@ -17,6 +17,7 @@ import pytest
 from cluster.cluster import PDCluster
 from engine.sampling_params import SamplingParams
 from tests.cluster_helpers import assert_cluster_leak_free, reference_outputs, tiny_cluster_config
+from tests.conftest import make_engine
 
 pytestmark = pytest.mark.slow
 
@@ -29,15 +30,25 @@ def expected(tiny_llama_dir):
     return reference_outputs(tiny_llama_dir, PROMPTS, LONG.max_tokens)
 
 
+@pytest.fixture(scope="module")
+def expected_text(tiny_llama_dir):
+    """What an uninterrupted stream shows (the same incremental detokenization)."""
+    return {
+        tuple(p): s.output_text
+        for p, s in zip(PROMPTS, make_engine(tiny_llama_dir).generate(PROMPTS, LONG), strict=True)
+    }
+
+
 async def stream_tokens(cluster, prompt, started: asyncio.Event, min_chunks: int = 3):
-    tokens, chunks, last = [], 0, None
+    tokens, text, chunks, last = [], "", 0, None
     async for chunk in cluster.generate(prompt, LONG):
         tokens += chunk.token_ids
+        text += chunk.text
         chunks += 1
         last = chunk
         if chunks == min_chunks:
             started.set()
-    return tokens, last.timings
+    return tokens, last.timings | {"text": text}
 
 
 async def pid_of(cluster, worker_id: str) -> int:
@@ -56,7 +67,7 @@ async def run_with_strike(cluster, strike) -> list[tuple[list[int], dict]]:
     return await asyncio.wait_for(asyncio.gather(*tasks), timeout=180)
 
 
-def scenario(config, strike, expected):
+def scenario(config, strike, expected, expected_text):
     async def main():
         cluster = await PDCluster(config).start()
         try:
@@ -69,6 +80,8 @@ def scenario(config, strike, expected):
 
     results, after = asyncio.run(main())
     assert [tokens for tokens, _ in results] == expected
+    # Streamed text equals an uninterrupted run's: nothing repeated or dropped on recovery.
+    assert [timings["text"] for _, timings in results] == [expected_text[tuple(p)] for p in PROMPTS]
     assert after == expected[0]
     return [timings for _, timings in results]
 
@@ -86,19 +99,19 @@ def kill(cluster, worker_id):
     return strike()
 
 
-def test_kill_a_decode_worker_mid_stream(tiny_llama_dir, expected):
+def test_kill_a_decode_worker_mid_stream(tiny_llama_dir, expected, expected_text):
     config = tiny_cluster_config(
         tiny_llama_dir, transport="shm", decode_workers=2, restart_backoff_s=0.2
     )
-    timings = scenario(config, lambda c: kill(c, "decode-0"), expected)
+    timings = scenario(config, lambda c: kill(c, "decode-0"), expected, expected_text)
     assert any("decode_died" in t["recoveries"] for t in timings)
 
 
-def test_kill_a_prefill_worker_under_load(tiny_llama_dir, expected):
+def test_kill_a_prefill_worker_under_load(tiny_llama_dir, expected, expected_text):
     config = tiny_cluster_config(
         tiny_llama_dir, transport="shm", prefill_workers=2, restart_backoff_s=0.2
     )
-    scenario(config, lambda c: kill(c, "prefill-0"), expected)
+    scenario(config, lambda c: kill(c, "prefill-0"), expected, expected_text)
 
 
 def test_kill_the_only_prefill_worker_decode_side_prefill_takes_over(tiny_llama_dir, expected):
@@ -129,7 +142,7 @@ def test_kill_the_only_prefill_worker_decode_side_prefill_takes_over(tiny_llama_
     "fault,reason",
     [({"mode": "stall", "stall_s": 5.0}, "timeout"), ({"mode": "corrupt"}, "checksum")],
 )
-def test_broken_transfers_are_recomputed(tiny_llama_dir, expected, fault, reason):
+def test_broken_transfers_are_recomputed(tiny_llama_dir, expected, expected_text, fault, reason):
     config = tiny_cluster_config(
         tiny_llama_dir,
         transport="shm",
@@ -140,6 +153,6 @@ def test_broken_transfers_are_recomputed(tiny_llama_dir, expected, fault, reason
     async def nothing():
         return None
 
-    timings = scenario(config, lambda c: nothing(), expected)
+    timings = scenario(config, lambda c: nothing(), expected, expected_text)
     assert all(t["recomputed"] and "transfer_failed" in t["recoveries"] for t in timings)
     assert {t["transfer_failure"] for t in timings} == {reason}

@@ -138,3 +138,28 @@ def test_stop_string_cuts_text_and_streams_nothing_past_it(tiny_llama_dir):
 def test_invalid_sampling_params_are_rejected(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+def test_resume_streams_text_that_was_held_back_elsewhere(tiny_llama_dir):
+    """A request migrated after a token that ends mid UTF-8 character loses no text."""
+    engine = make_engine(tiny_llama_dir)
+    decided = engine.tokenizer.hf.encode("東京は晴れ", add_special_tokens=False)
+    cut = next(
+        k for k in range(1, len(decided)) if engine.tokenizer.decode(decided[:k]).endswith("\ufffd")
+    )
+    client_has = engine.tokenizer.decode(decided[:cut]).rstrip("\ufffd")
+    params = SamplingParams(max_tokens=cut + 6, temperature=0.0, ignore_eos=True)
+
+    seq = engine.add_request(
+        "moved",
+        prompt_of(9),
+        params,
+        output_token_ids=decided[:cut],
+        emitted_text_len=len(client_has),
+    )
+    streamed = ""
+    while engine.has_unfinished():
+        streamed += "".join(out.new_text for out in engine.step())
+
+    assert client_has + streamed == engine.tokenizer.decode(seq.output_token_ids)
+    assert_no_leaks(engine)
