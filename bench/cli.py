@@ -26,7 +26,13 @@ def add_bench_parser(sub) -> None:
     engine.add_argument("--skip-transformers", action="store_true", help="only our engine")
     engine.add_argument("--json", default=None, help="also write results to this JSON file")
     engine.set_defaults(func=_run_engine_bench)
-    __import__("bench.transfer_bench", fromlist=["*"]).add_transfer_parser(kinds)
+    from bench.bandwidth_sweep import add_bandwidth_parser
+    from bench.serve_bench import add_serve_bench_parser
+    from bench.transfer_bench import add_transfer_parser
+
+    add_transfer_parser(kinds)
+    add_serve_bench_parser(kinds)
+    add_bandwidth_parser(kinds)
 
 
 def _run_engine_bench(args: argparse.Namespace) -> int:

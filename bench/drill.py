@@ -235,14 +235,14 @@ def format_report(report: DrillReport) -> str:
         return "-" if value is None else f"{value:.2f}"
 
     lines = [
-        f"{'requests':<28}{report.requests}",
-        f"{'completed':<28}{report.completed}",
-        f"{'recovered (went through a fault)':<28}{report.recovered}",
-        f"{'failed':<28}{report.failed}",
-        f"{'exact text vs reference':<28}{report.exact}/{report.requests}",
-        f"{'duplicated / missing / diverged':<28}{report.duplicated_text} / {report.missing_text} / {report.diverged}",
-        f"{'extra latency p50 / p99 (s)':<28}{fmt(report.extra_latency_p50_s)} / {fmt(report.extra_latency_p99_s)}",
-        f"{'full strength again after (s)':<28}{fmt(report.full_strength_after_s)}",
+        f"{'requests':<36}{report.requests}",
+        f"{'completed':<36}{report.completed}",
+        f"{'recovered (went through a fault)':<36}{report.recovered}",
+        f"{'failed':<36}{report.failed}",
+        f"{'exact text vs reference':<36}{report.exact}/{report.requests}",
+        f"{'duplicated / missing / diverged':<36}{report.duplicated_text} / {report.missing_text} / {report.diverged}",
+        f"{'extra latency p50 / p99 (s)':<36}{fmt(report.extra_latency_p50_s)} / {fmt(report.extra_latency_p99_s)}",
+        f"{'full strength again after (s)':<36}{fmt(report.full_strength_after_s)}",
     ]
     for kill in report.kills:
         lines.append(
@@ -250,9 +250,9 @@ def format_report(report: DrillReport) -> str:
             f"back after {fmt(kill.recovered_after_s)}s"
         )
     leaks = {w: n for w, n in report.leaked_blocks.items() if n}
-    lines.append(f"{'leaked KV blocks':<28}{leaks or 0}")
+    lines.append(f"{'leaked KV blocks':<36}{leaks or 0}")
     lines.append(
-        f"{'leaked leases':<28}{({w: n for w, n in report.leaked_leases.items() if n}) or 0}"
+        f"{'leaked leases':<36}{({w: n for w, n in report.leaked_leases.items() if n}) or 0}"
     )
     lines.append("PASS" if report.passed else "FAIL")
     return "\n".join(lines)

@@ -23,7 +23,7 @@ import aiohttp
 @dataclass
 class RequestRecord:
     index: int
-    prompt: str
+    prompt: str | list[int]
     ok: bool = False
     status: int = 0
     error: str = ""
@@ -59,7 +59,8 @@ class RequestRecord:
 class LoadSpec:
     url: str
     model: str
-    prompts: list[str]
+    prompts: list[str] | list[list[int]]
+    """Text prompts or token-id prompts (exact lengths, as benchmarks want)."""
     max_tokens: int = 64
     concurrency: int = 8
     temperature: float = 0.0

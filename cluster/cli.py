@@ -11,8 +11,6 @@ import argparse
 import logging
 import sys
 
-from engine.config import TORCH_DTYPES
-
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -24,7 +22,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype",
         default="auto",
-        choices=["auto", *sorted(TORCH_DTYPES)],
+        choices=["auto", "bfloat16", "float16", "float32"],
         help="weights and KV dtype (auto: bfloat16 where the hardware is fast at it, else float32)",
     )
     parser.add_argument(

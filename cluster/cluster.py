@@ -9,6 +9,7 @@ await cluster.shutdown()
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import secrets
@@ -28,6 +29,14 @@ from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+
+class RequestTimeoutError(TimeoutError):
+    """A request ran past `request_timeout_s`; it was aborted on its workers."""
+
+    def __init__(self, request_id: str, timeout_s: float):
+        self.request_id = request_id
+        super().__init__(f"[request {request_id}] exceeded request_timeout_s={timeout_s}")
 
 
 class PDCluster:
@@ -71,16 +80,26 @@ class PDCluster:
         params: SamplingParams,
         request_id: str | None = None,
     ) -> AsyncIterator[GenerationChunk]:
-        """Stream a generation; text prompts are tokenized here (no chat template)."""
+        """Stream a generation; text prompts are tokenized here (no chat template).
+        Raises `RequestTimeoutError` past `request_timeout_s` (the request is aborted)."""
         request_id = request_id or self.new_request_id()
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         timeline = RequestTimeline(request_id, arrival=time.time())
+        deadline = time.monotonic() + self.config.request_timeout_s
+        stream = self.flow.run(request_id, prompt_ids, params, timeline)
         last: GenerationChunk | None = None
         try:
-            async for chunk in self.flow.run(request_id, prompt_ids, params, timeline):
+            while True:
+                try:
+                    chunk = await asyncio.wait_for(anext(stream), deadline - time.monotonic())
+                except StopAsyncIteration:
+                    return
+                except asyncio.TimeoutError:
+                    raise RequestTimeoutError(request_id, self.config.request_timeout_s) from None
                 last = chunk
                 yield chunk
         finally:
+            await stream.aclose()
             # Cancelled and failed requests too: their tokens and KV transfers happened.
             for observer in self.on_finish:
                 observer(timeline, last)

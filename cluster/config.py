@@ -38,6 +38,7 @@ class ClusterConfig:
     mode: Mode = "disaggregated"
     """`disaggregated` (prefill and decode pools) or `colocated` (one worker does both)."""
     prefill_workers: int = 1
+    """Prefill workers (disaggregated mode)."""
     decode_workers: int = 1
     """In colocated mode, this many colocated workers."""
     threads_per_worker: int = 1
@@ -45,27 +46,43 @@ class ClusterConfig:
     gpus_per_worker: float = 0.0
     """GPUs per worker on GPU pools; 0 runs on CPU."""
     block_size: int = 16
+    """Tokens per KV block (the same on both pools: blocks move between them)."""
     prefill_kv_blocks: int = 1024
+    """KV blocks per prefill worker (holds prompts until their KV is exported and acked)."""
     decode_kv_blocks: int = 2048
+    """KV blocks per decode (or colocated) worker: its admission capacity."""
     max_num_seqs: int = 64
+    """Most sequences in one engine step."""
     max_batch_tokens: int = 2048
+    """Most tokens (prefill pieces + decode tokens) in one engine step."""
     prefill_chunk_size: int = 512
+    """Longest piece of one prompt per step; longer prompts are chunked."""
     max_model_len: int | None = None
+    """Longest prompt + output; defaults to the model's context window."""
     transport: TransportName = "auto"
+    """KV transport: `auto` (shm on one node, collective across nodes), shm, collective, grpc, local."""
     transport_options: dict = field(default_factory=dict)
     """Passed to the transport (chunk size, bandwidth cap, faults...)."""
     router_policy: RouterPolicy = "least_loaded"
+    """How the router picks workers: round_robin, least_loaded, power_of_two."""
     first_token_from: FirstTokenFrom = "prefill"
     """`prefill`: stream the first token as soon as prefill samples it; `decode`: after import."""
     on_transfer_failure: TransferFailurePolicy = "recompute"
+    """A failed KV import: `recompute` the prompt on the decode worker, or `fail` the request."""
     address: str | None = None
     """Ray address to join; None starts a local Ray cluster in-process."""
     namespace: str = "pdserve"
+    """Ray namespace of the named worker actors."""
     health_interval_s: float = 1.0
+    """Seconds between health probes of every worker."""
     health_timeout_s: float = 5.0
+    """A health probe slower than this marks the worker dead."""
     request_timeout_s: float = 600.0
+    """A request running longer is aborted and answered with 504."""
     transfer_timeout_s: float = 30.0
+    """Bound on one KV fetch (connect, every wait, the whole transfer)."""
     lease_ttl_s: float = 30.0
+    """Exported blocks are reclaimed this long after the last heartbeat without an ack."""
     max_restarts: int = 3
     """Times the controller restarts one worker after it dies (0 disables restarts)."""
     restart_backoff_s: float = 1.0
@@ -123,8 +140,9 @@ class ClusterConfig:
             num_threads=self.threads_per_worker,
         )
 
-    def kv_transport_options(self):
-        """`kv_transfer` options for this cluster's workers (built inside each worker)."""
+    def kv_transport_options(self, node_ip: str | None = None):
+        """`kv_transfer` options of one worker, built inside it. A worker whose KV servers
+        bind every interface advertises its own node's address to peers."""
         from kv_transfer.config import FaultOptions, TransportOptions
 
         settings = {
@@ -133,6 +151,9 @@ class ClusterConfig:
             "token": self.cluster_token or "",
         }
         settings.update(self.transport_options)
+        binds_all = settings.get("bind_host") in ("0.0.0.0", "::")
+        if binds_all and not settings.get("advertise_host") and node_ip:
+            settings["advertise_host"] = node_ip
         if isinstance(settings.get("faults"), dict):
             settings["faults"] = FaultOptions(**settings["faults"])
         return TransportOptions(**settings)

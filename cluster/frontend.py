@@ -257,9 +257,9 @@ class OpenAIHandler:
                 kind="service_unavailable",
                 headers={"Retry-After": str(self.settings.retry_after_s)},
             ) from exc
-        except TimeoutError:
+        except TimeoutError as exc:
             outcome = "timeout"
-            raise
+            raise ApiError(504, str(exc), kind="timeout") from exc
         except Exception:
             outcome = "error"
             raise

@@ -12,11 +12,7 @@ import contextlib
 import logging
 import signal
 
-import uvicorn
-
-from cluster.cluster import PDCluster
 from cluster.config import ClusterConfig
-from cluster.frontend import FrontendSettings, build_app
 from engine import envs
 
 logger = logging.getLogger(__name__)
@@ -88,6 +84,8 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from cluster.frontend import FrontendSettings
+
     config = config_from_args(args)
     settings = FrontendSettings(
         api_key=args.api_key or envs.api_key(), max_in_flight=args.max_in_flight
@@ -96,13 +94,16 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _serve(config: ClusterConfig, settings: FrontendSettings, host: str, port: int) -> None:
+async def _serve(config: ClusterConfig, settings, host: str, port: int) -> None:
+    from cluster.cluster import PDCluster
+    from cluster.frontend import build_app
+
     cluster = PDCluster(config)
     logger.info("starting %s cluster (%s): %s", config.mode, cluster.model_id, _pools(config))
     await cluster.start()
     try:
         app = build_app(cluster, settings)
-        server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+        server = _quiet_signals_server(app, host, port)
         app.router.on_startup.append(lambda: _announce(host, port, cluster.model_id))
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -113,18 +114,22 @@ async def _serve(config: ClusterConfig, settings: FrontendSettings, host: str, p
         await cluster.shutdown()
 
 
-class _Server(uvicorn.Server):
+def _quiet_signals_server(app, host: str, port: int):
     """uvicorn re-raises SIGINT/SIGTERM after serving, which would kill this process
-    before the workers and Ray are shut down; here the signals only stop serving."""
+    before the workers and Ray are shut down; this server's signals only stop serving."""
+    import uvicorn
 
-    @contextlib.contextmanager
-    def capture_signals(self):
-        yield
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            yield
 
-    def request_exit(self) -> None:
-        if self.should_exit:
-            self.force_exit = True
-        self.should_exit = True
+        def request_exit(self) -> None:
+            if self.should_exit:
+                self.force_exit = True
+            self.should_exit = True
+
+    return Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
 
 
 def _pools(config: ClusterConfig) -> str:
@@ -139,6 +144,6 @@ def _announce(host: str, port: int, model_id: str) -> None:
     print(
         f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
         f'-d \'{{"model": "{model_id}", "messages": [{{"role": "user", '
-        f'"content": "What is the capital of France?"}}], "max_tokens": 32}}\'',
+        f'"content": "What is the capital of France?"}}], "max_tokens": 32, "temperature": 0}}\'',
         flush=True,
     )

@@ -56,7 +56,10 @@ class DecodeWorker:
             from kv_transfer.registry import make_receiver
 
             self.receiver = make_receiver(
-                config.transport, worker_id, self.engine.kv_pool, config.kv_transport_options()
+                config.transport,
+                worker_id,
+                self.engine.kv_pool,
+                config.kv_transport_options(node_ip=_node_ip()),
             )
         self.loop: EngineLoop | None = None
         self.admission_waiting = 0
@@ -226,6 +229,12 @@ class DecodeWorker:
             self.loop.stop()
         if self.receiver is not None:
             self.receiver.close()
+
+
+def _node_ip() -> str | None:
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else None
 
 
 def _node_id() -> str | None:

@@ -5,17 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
-
 from engine.platform import auto_dtype
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+# Names only: importing torch here would make every CLI start pay for it.
+TORCH_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -73,5 +68,7 @@ class EngineConfig:
         return auto_dtype(self.device) if self.dtype == "auto" else self.dtype
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return TORCH_DTYPES[self.resolved_dtype]
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.resolved_dtype)

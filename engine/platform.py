@@ -5,8 +5,6 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-import torch
-
 
 @functools.cache
 def cpu_flags() -> frozenset[str]:
@@ -26,6 +24,8 @@ def cpu_has_fast_bf16() -> bool:
 
 def auto_dtype(device: str) -> str:
     if device.startswith("cuda"):
+        import torch
+
         return (
             "bfloat16"
             if torch.cuda.is_available() and torch.cuda.is_bf16_supported()

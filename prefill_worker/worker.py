@@ -54,7 +54,10 @@ class PrefillWorker:
         from kv_transfer.registry import make_sender
 
         self.sender = make_sender(
-            config.transport, worker_id, self.engine.kv_pool, config.kv_transport_options()
+            config.transport,
+            worker_id,
+            self.engine.kv_pool,
+            config.kv_transport_options(node_ip=_node_ip()),
         )
         self.loop: EngineLoop | None = None
 
@@ -157,6 +160,12 @@ class PrefillWorker:
         if self.loop is not None:
             self.loop.stop()
         self.sender.close()
+
+
+def _node_ip() -> str | None:
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else None
 
 
 def _node_id() -> str | None:
