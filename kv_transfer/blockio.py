@@ -62,11 +62,15 @@ def total_bytes(pieces: list[Piece]) -> int:
     return sum(p.nbytes for p in pieces)
 
 
-def copy_pieces(src_flat: torch.Tensor, dst_flat: torch.Tensor, pieces: list[Piece], step) -> None:
+def copy_pieces(
+    src_flat: torch.Tensor, dst_flat: torch.Tensor, pieces: list[Piece], step, landed=None
+) -> None:
     """One copy per piece from the sender's pool bytes into ours (same-process memory).
 
     `step(piece)` runs before each copy (shaping, faults, heartbeats) and returns True
     when the copied bytes must be corrupted (fault injection on the receiving side).
+    `landed(end)` runs after each copy with the stream offset now complete (pieces are
+    in stream order), so the caller can checksum the piece while it is in cache.
     CPU copies go through numpy: one plain memcpy, where torch's copy_ may split the
     copy across intra-op threads, which collapses on a busy 2-core machine.
     """
@@ -82,3 +86,5 @@ def copy_pieces(src_flat: torch.Tensor, dst_flat: torch.Tensor, pieces: list[Pie
             dst.copy_(src)
         if corrupt:
             dst[0] = 255 - int(dst[0])
+        if landed is not None:
+            landed(piece.offset + piece.nbytes)

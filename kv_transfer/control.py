@@ -2,9 +2,10 @@
 
 A sender starts one `ControlServer` at worker start; it accepts TCP connections on
 its bind address and runs one thread per connection. A receiver opens a connection
-(`ControlConnection`) and exchanges length-prefixed JSON messages: `shm` opens one per
-transfer (begin, end) and `collective` keeps one per sender/receiver pair for the pair's
-life, so a dead receiver is seen as that connection closing. Every request carries the
+(`ControlConnection`) and exchanges length-prefixed JSON messages: `shm` keeps idle
+connections per sender and reuses one per transfer (begin, end), `collective` keeps one
+per sender/receiver pair for the pair's life, so a dead receiver is seen as that
+connection closing. Every request carries the
 cluster token; a wrong token is answered with `unauthorized` and the connection closed.
 Nothing is pickled: messages are JSON objects.
 """
@@ -100,15 +101,21 @@ class ControlConnection:
         self.sock = socket.create_connection((host, port), timeout=timeout_s)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._authenticated = False
+        self.accepted = False
+        """Set by the owner once the server answered a request on it (token accepted)."""
 
     def call(self, message: dict, timeout_s: float | None = None) -> dict:
+        if timeout_s is not None:
+            self.sock.settimeout(timeout_s)
+        self.send(message)
+        return recv_message(self.sock)
+
+    def send(self, message: dict) -> None:
+        """Send a request without waiting: its reply is read later with `recv`."""
         if not self._authenticated:
             message = {**message, "token": self.token}
             self._authenticated = True
-        if timeout_s is not None:
-            self.sock.settimeout(timeout_s)
         send_message(self.sock, message)
-        return recv_message(self.sock)
 
     def recv(self, timeout_s: float) -> dict:
         self.sock.settimeout(timeout_s)

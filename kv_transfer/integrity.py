@@ -1,9 +1,11 @@
 """Per-block checksums: computed by the sender at export, verified by the receiver.
 
 The sender checksums each exported block once in `export()` and puts the list in the
-ticket; the receiver recomputes them over the blocks it wrote, after the bytes landed
-and before it reports DONE. Any mismatch fails the whole transfer with CHECKSUM and
-names the blocks (the caller frees its destination blocks, as for any failure).
+ticket; the receiver recomputes them over the blocks it wrote before it reports DONE.
+Transports feed a `BlockVerifier` as bytes land (`landed`), so each block is summed
+while it is still in cache (and, for collective, while the next piece is in flight);
+`finish` sums whatever was not fed. Any mismatch fails the whole transfer with
+CHECKSUM and names the blocks (the caller frees its destination blocks, as for any failure).
 
 Two algorithms, named in the ticket so both ends agree:
 - `crc32`: zlib over the block's bytes (~2 GB/s here).
@@ -47,17 +49,53 @@ def block_checksums(kv: torch.Tensor, block_ids: list[int], algo: str) -> list[i
     return [checksum(block_bytes(kv[b]), algo) for b in block_ids]
 
 
-def verify_blocks(
-    kv: torch.Tensor, dst_block_ids: list[int], ticket: ExportTicket, peer: str
-) -> None:
-    """Receivers call this after writing: raise CHECKSUM naming the blocks that differ."""
-    got = block_checksums(kv, dst_block_ids, ticket.checksum_algo)
-    bad = [i for i, (a, b) in enumerate(zip(got, ticket.checksums, strict=True)) if a != b]
-    if bad:
-        raise KVTransferError(
-            f"{len(bad)} of {len(dst_block_ids)} blocks failed their checksum "
-            f"(positions {bad[:8]})",
-            ticket.request_id,
-            peer,
-            FailureReason.CHECKSUM,
-        )
+class BlockVerifier:
+    """Checks one fetch's destination blocks against the ticket, in stream order.
+
+    The receiver makes one per fetch; the transport calls `landed(end)` once the
+    request's byte stream is complete up to `end` (blocks are verified as soon as they
+    are whole), and the receiver calls `finish()` after the transport returns.
+    """
+
+    def __init__(self, kv: torch.Tensor, dst_block_ids: list[int], ticket: ExportTicket):
+        if len(ticket.checksums) != len(dst_block_ids):
+            raise KVTransferError(
+                f"{len(ticket.checksums)} checksums for {len(dst_block_ids)} blocks",
+                ticket.request_id,
+                ticket.sender_id,
+                FailureReason.INTERNAL,
+            )
+        self.kv = kv
+        # CPU pools: one numpy view of the pool, sliced per block (torch indexing per
+        # block costs as much as summing a small block).
+        self.flat = kv.view(-1).view(torch.uint8).numpy() if kv.device.type == "cpu" else None
+        self.dst = dst_block_ids
+        self.ticket = ticket
+        self.block_nbytes = kv[0].numel() * kv.element_size() if len(kv) else 1
+        self.done = 0  # blocks verified so far (a prefix of the stream)
+        self.bad: list[int] = []
+
+    def landed(self, end: int) -> None:
+        """Bytes [0, end) of the stream are in place: verify the blocks now whole."""
+        whole = min(end // self.block_nbytes, len(self.dst))
+        algo, sums, size = self.ticket.checksum_algo, self.ticket.checksums, self.block_nbytes
+        for i in range(self.done, whole):
+            if self.flat is None:
+                data = block_bytes(self.kv[self.dst[i]])
+            else:
+                data = self.flat[self.dst[i] * size : (self.dst[i] + 1) * size]
+            if checksum(data, algo) != sums[i]:
+                self.bad.append(i)
+        self.done = max(self.done, whole)
+
+    def finish(self) -> None:
+        """Verify the rest; raise CHECKSUM naming every block position that differs."""
+        self.landed(len(self.dst) * self.block_nbytes)
+        if self.bad:
+            raise KVTransferError(
+                f"{len(self.bad)} of {len(self.dst)} blocks failed their checksum "
+                f"(positions {self.bad[:8]})",
+                self.ticket.request_id,
+                self.ticket.sender_id,
+                FailureReason.CHECKSUM,
+            )

@@ -26,7 +26,7 @@ from kv_transfer.base import (
     check_layout,
 )
 from kv_transfer.config import TransportOptions
-from kv_transfer.integrity import verify_blocks
+from kv_transfer.integrity import BlockVerifier
 from kv_transfer.stats import ReceiverStats, bump
 
 logger = logging.getLogger(__name__)
@@ -43,9 +43,17 @@ class TransportReceiver(KVReceiver):
         self._lock = threading.Lock()
 
     @abstractmethod
-    def _pull(self, ticket: ExportTicket, dst_block_ids: list[int], deadline: float) -> str:
+    def _pull(
+        self,
+        ticket: ExportTicket,
+        dst_block_ids: list[int],
+        deadline: float,
+        verifier: BlockVerifier,
+    ) -> str:
         """Write the ticket's blocks into `dst_block_ids` by `deadline` (monotonic) or raise
-        `KVTransferError`; returns the name of the transport that moved the bytes."""
+        `KVTransferError`; returns the name of the transport that moved the bytes. Calls
+        `verifier.landed(end)` whenever the stream is complete up to `end` (optional:
+        the caller verifies the rest, but blocks still in cache are cheaper to sum)."""
 
     def fetch(
         self, ticket: ExportTicket, dst_block_ids: list[int], timeout_s: float
@@ -61,8 +69,9 @@ class TransportReceiver(KVReceiver):
                     ticket.sender_id,
                     FailureReason.INTERNAL,
                 )
-            result.transport = self._pull(ticket, dst_block_ids, start + timeout_s)
-            verify_blocks(self.pool.kv, dst_block_ids, ticket, ticket.sender_id)
+            verifier = BlockVerifier(self.pool.kv, dst_block_ids, ticket)
+            result.transport = self._pull(ticket, dst_block_ids, start + timeout_s, verifier)
+            verifier.finish()
             result.state = TransferState.DONE
             result.num_bytes = len(dst_block_ids) * self.pool.layout.block_nbytes
         except KVTransferError as exc:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from engine.kv_cache import KVCachePool
 from kv_transfer.base import ExportTicket
 from kv_transfer.config import TransportOptions
+from kv_transfer.integrity import BlockVerifier
 from kv_transfer.node import node_id
 from kv_transfer.receiver import TransportReceiver
 from kv_transfer.sender import RegistrySender
@@ -38,8 +39,14 @@ class AutoReceiver(TransportReceiver):
             return self.shm
         return self.collective
 
-    def _pull(self, ticket: ExportTicket, dst_block_ids: list[int], deadline: float) -> str:
-        return self.choose(ticket)._pull(ticket, dst_block_ids, deadline)
+    def _pull(
+        self,
+        ticket: ExportTicket,
+        dst_block_ids: list[int],
+        deadline: float,
+        verifier: BlockVerifier,
+    ):
+        return self.choose(ticket)._pull(ticket, dst_block_ids, deadline, verifier)
 
     def keepalive(self, ticket: ExportTicket, timeout_s: float = 5.0) -> bool:
         return self.choose(ticket).keepalive(ticket, timeout_s)

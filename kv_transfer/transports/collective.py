@@ -43,6 +43,7 @@ from kv_transfer.control import (
     send_message,
 )
 from kv_transfer.faults import DropTransfer, FaultPlan
+from kv_transfer.integrity import BlockVerifier
 from kv_transfer.receiver import TransportReceiver, fail, remaining
 from kv_transfer.sender import RegistrySender
 from kv_transfer.shaping import Shaper
@@ -242,20 +243,28 @@ class CollectiveReceiver(TransportReceiver):
         pair.conn.close()
         drop_group(pair.group)
 
-    def _pull(self, ticket: ExportTicket, dst_block_ids: list[int], deadline: float) -> str:
+    def _pull(
+        self,
+        ticket: ExportTicket,
+        dst_block_ids: list[int],
+        deadline: float,
+        verifier: BlockVerifier,
+    ) -> str:
         if ticket.sender_endpoint.get("collective") is None:
             raise fail(ticket, FailureReason.INTERNAL, "sender does not serve collective")
         pair = self._pair(ticket, deadline)
         with pair.lock:
             try:
-                self._transfer(pair, ticket, dst_block_ids, deadline)
+                self._transfer(pair, ticket, dst_block_ids, deadline, verifier)
             except KVTransferError as exc:
                 if exc.reason != FailureReason.UNKNOWN_REQUEST:
                     self._forget(ticket, pair)
                 raise
         return "collective"
 
-    def _transfer(self, pair: _Pair, ticket, dst_block_ids: list[int], deadline: float) -> None:
+    def _transfer(
+        self, pair: _Pair, ticket, dst_block_ids: list[int], deadline: float, verifier
+    ) -> None:
         request = {"op": "fetch", "request_id": ticket.request_id, "dst_block_ids": dst_block_ids}
         try:
             reply = pair.conn.call(request, remaining(deadline, ticket))
@@ -269,8 +278,9 @@ class CollectiveReceiver(TransportReceiver):
             works = [
                 pair.group.recv([flat[p.dst : p.dst + p.nbytes]], SENDER_RANK, 0) for p in pieces
             ]
-            for work in works:
+            for piece, work in zip(pieces, works, strict=True):
                 work.wait(timedelta(seconds=remaining(deadline, ticket)))
+                verifier.landed(piece.offset + piece.nbytes)  # while the next piece flies
             done = pair.conn.recv(remaining(deadline, ticket))
         except KVTransferError:
             raise

@@ -24,6 +24,7 @@ from kv_transfer.base import ExportTicket, FailureReason
 from kv_transfer.blockio import flat_bytes, plan_pieces, total_bytes
 from kv_transfer.config import TransportOptions
 from kv_transfer.faults import DropTransfer, FaultPlan
+from kv_transfer.integrity import BlockVerifier
 from kv_transfer.receiver import TransportReceiver, fail, remaining
 from kv_transfer.sender import RegistrySender
 from kv_transfer.shaping import Shaper
@@ -34,6 +35,9 @@ from proto import kv_transfer_pb2_grpc as pb_grpc
 logger = logging.getLogger(__name__)
 
 TOKEN_KEY = "x-pdserve-token"
+MESSAGE_BYTES = 1 << 20
+"""Largest chunk per message, below `chunk_bytes`: Python gRPC moves 1 MiB messages
+25-60% faster than 4 MiB ones here (bigger messages stall the one-in-flight writer)."""
 SERVICE = "pdserve.kv_transfer.KVTransfer"
 
 _STATUS_REASONS = {
@@ -79,9 +83,8 @@ class _Servicer(pb_grpc.KVTransferServicer):
             return
         shaper = Shaper(self.options.bandwidth_bytes_per_s, self.options.added_latency_s)
         block_nbytes = self.sender.pool.layout.block_nbytes
-        pieces = plan_pieces(
-            record.block_ids, dst, block_nbytes, shaper.piece_bytes(self.options.chunk_bytes)
-        )
+        piece_bytes = min(shaper.piece_bytes(self.options.chunk_bytes), MESSAGE_BYTES)
+        pieces = plan_pieces(record.block_ids, dst, block_nbytes, piece_bytes)
         failure = FailureReason.PEER_DIED  # until proven otherwise: the client went away
         try:
             yield from self._stream(request.request_id, pieces, shaper)
@@ -90,6 +93,11 @@ class _Servicer(pb_grpc.KVTransferServicer):
             failure = FailureReason.DROPPED
         finally:
             self.sender.registry.end_transfer(request.request_id, total_bytes(pieces), failure)
+        if failure is None:
+            # Recorded before `done` leaves: the receiver cancels the call as soon as it
+            # reads it, and this generator may never be resumed after that yield.
+            done = pb.Done(num_bytes=total_bytes(pieces), num_chunks=len(pieces))
+            yield pb.FetchResponse(done=done)
 
     def _stream(self, request_id: str, pieces, shaper: Shaper):
         flat = flat_bytes(self.sender.pool.kv)
@@ -105,7 +113,6 @@ class _Servicer(pb_grpc.KVTransferServicer):
             yield encode_chunk(piece.offset, data)
             self.sender.heartbeat(request_id)
         shaper.finish()
-        yield pb.FetchResponse(done=pb.Done(num_bytes=total_bytes(pieces), num_chunks=len(pieces)))
 
 
 def _error(reason: FailureReason, message: str) -> pb.FetchResponse:
@@ -199,7 +206,13 @@ class GrpcReceiver(TransportReceiver):
                 self._channels[info["address"]] = channel
         return channel
 
-    def _pull(self, ticket: ExportTicket, dst_block_ids: list[int], deadline: float) -> str:
+    def _pull(
+        self,
+        ticket: ExportTicket,
+        dst_block_ids: list[int],
+        deadline: float,
+        verifier: BlockVerifier,
+    ) -> str:
         fetch = self._fetch_call(ticket)
         request = pb.FetchRequest(
             request_id=ticket.request_id, receiver_id=self.worker_id, dst_block_ids=dst_block_ids
@@ -207,7 +220,7 @@ class GrpcReceiver(TransportReceiver):
         metadata = [(TOKEN_KEY, self.options.token)]
         call = fetch(request, timeout=remaining(deadline, ticket), metadata=metadata)
         try:
-            self._consume(call, ticket, dst_block_ids)
+            self._consume(call, ticket, dst_block_ids, verifier)
         except grpc.RpcError as exc:
             reason = _STATUS_REASONS.get(exc.code(), FailureReason.INTERNAL)
             raise fail(ticket, reason, f"gRPC {exc.code().name}: {exc.details()}") from None
@@ -215,7 +228,7 @@ class GrpcReceiver(TransportReceiver):
             call.cancel()
         return "grpc"
 
-    def _consume(self, call, ticket: ExportTicket, dst_block_ids: list[int]) -> None:
+    def _consume(self, call, ticket: ExportTicket, dst_block_ids: list[int], verifier) -> None:
         flat = flat_bytes(self.pool.kv)
         block_nbytes = self.pool.layout.block_nbytes
         runs = _run_lengths(dst_block_ids)
@@ -229,6 +242,7 @@ class GrpcReceiver(TransportReceiver):
                 data = np.frombuffer(payload, dtype=np.uint8)
                 self._write(flat, dst_block_ids, runs, block_nbytes, offset, data)
                 offset += len(payload)
+                verifier.landed(offset)
                 continue
             kind = response.WhichOneof("kind")
             if kind == "error":

@@ -15,6 +15,7 @@ from kv_transfer.base import ExportTicket, FailureReason, KVTransferError
 from kv_transfer.blockio import copy_pieces, flat_bytes, plan_pieces, total_bytes
 from kv_transfer.config import TransportOptions
 from kv_transfer.faults import DropTransfer, FaultPlan
+from kv_transfer.integrity import BlockVerifier
 from kv_transfer.receiver import TransportReceiver, fail, remaining
 from kv_transfer.sender import RegistrySender
 from kv_transfer.shaping import Shaper
@@ -58,7 +59,13 @@ class LocalReceiver(TransportReceiver):
             raise fail(ticket, FailureReason.PEER_DIED, "sender is closed")
         return sender
 
-    def _pull(self, ticket: ExportTicket, dst_block_ids: list[int], deadline: float) -> str:
+    def _pull(
+        self,
+        ticket: ExportTicket,
+        dst_block_ids: list[int],
+        deadline: float,
+        verifier: BlockVerifier,
+    ):
         sender = self._sender(ticket)
         if sender.registry.begin_transfer(ticket.request_id) is None:
             raise fail(ticket, FailureReason.UNKNOWN_REQUEST, "export is gone")
@@ -75,7 +82,9 @@ class LocalReceiver(TransportReceiver):
         shaper.start()
         failure: FailureReason | None = FailureReason.INTERNAL
         try:
-            copy_pieces(flat_bytes(sender.pool.kv), flat_bytes(self.pool.kv), pieces, step)
+            copy_pieces(
+                flat_bytes(sender.pool.kv), flat_bytes(self.pool.kv), pieces, step, verifier.landed
+            )
             shaper.finish()
             failure = None
         except DropTransfer:

@@ -4,14 +4,15 @@ At start the sender re-homes its pool in a file under `shm_dir` (/dev/shm) and s
 a control server. Per transfer the receiver:
 
     1. maps the sender's pool file (once per sender, kept),
-    2. `begin` on the control channel: the sender marks the export TRANSFERRING and
-       extends the lease, or says it is gone,
+    2. sends `begin` on a kept control connection (the sender marks the export
+       TRANSFERRING and extends the lease, or says it is gone) without waiting,
     3. copies the blocks itself, one memcpy per piece (no socket in the data path),
-       heartbeating if pacing makes the copy outlast a third of the lease,
+       checksumming each piece while it is in cache, heartbeating if pacing makes the
+       copy outlast a third of the lease; then reads the `begin` reply,
     4. `end`: the sender records the transfer; a sender that died meanwhile fails it.
 
-Checksums (verified by the caller after `_pull`) catch any block the sender reused
-under us. Faults: drop/stall/kill strike in the sender's control handler; corrupt
+Checksums catch any block the sender reused under us (a refused `begin` wins over
+them: the fetch fails UNKNOWN_REQUEST). Faults: drop/stall/kill strike in the sender's control handler; corrupt
 strikes in the receiver's copy (the sender never touches these bytes).
 """
 
@@ -23,12 +24,13 @@ import logging
 import mmap
 import os
 import socket
+import threading
 import time
 
 import torch
 
 from engine.kv_cache import KVCachePool
-from kv_transfer.base import ExportTicket, FailureReason
+from kv_transfer.base import ExportTicket, FailureReason, KVTransferError
 from kv_transfer.blockio import copy_pieces, flat_bytes, plan_pieces, total_bytes
 from kv_transfer.config import FaultOptions, TransportOptions
 from kv_transfer.control import (
@@ -40,6 +42,7 @@ from kv_transfer.control import (
     send_message,
 )
 from kv_transfer.faults import DropTransfer, FaultPlan
+from kv_transfer.integrity import BlockVerifier
 from kv_transfer.receiver import TransportReceiver, fail, remaining
 from kv_transfer.sender import RegistrySender
 from kv_transfer.shaping import Shaper
@@ -47,6 +50,7 @@ from kv_transfer.shaping import Shaper
 logger = logging.getLogger(__name__)
 
 FILE_PREFIX = "pdserve-kv-"
+CACHE_PIECE = 1 << 20  # copy + checksum granularity: fits a core's L2 with room to spare
 
 
 def _pid_alive(pid: int) -> bool:
@@ -151,11 +155,14 @@ def make_shm_sender(worker_id: str, pool: KVCachePool, options: TransportOptions
 
 
 class ShmReceiver(TransportReceiver):
-    """Receiver half: maps each sender's pool file once and copies out of it."""
+    """Receiver half: maps each sender's pool file once and copies out of it; keeps idle
+    control connections per sender so a transfer costs one round trip, not a connect."""
 
     def __init__(self, worker_id: str, pool: KVCachePool, options: TransportOptions):
         super().__init__("shm", worker_id, pool, options)
         self._maps: dict[str, tuple[mmap.mmap, torch.Tensor]] = {}
+        self._idle: dict[tuple[str, int], list[ControlConnection]] = {}
+        self._idle_lock = threading.Lock()
 
     def _mapped(self, ticket: ExportTicket) -> torch.Tensor:
         info = ticket.sender_endpoint["shm"]
@@ -178,51 +185,109 @@ class ShmReceiver(TransportReceiver):
         self._maps[path] = (region, flat)
         return flat
 
-    def _connect(self, ticket: ExportTicket, deadline: float) -> ControlConnection:
+    @staticmethod
+    def _address(ticket: ExportTicket) -> tuple[str, int]:
         host, port = ticket.sender_endpoint["shm"]["control"]
+        return host, int(port)
+
+    def _checkout(self, ticket: ExportTicket, deadline: float) -> ControlConnection:
+        """An idle connection to the ticket's sender, or a new one."""
+        with self._idle_lock:
+            idle = self._idle.get(self._address(ticket))
+            if idle:
+                return idle.pop()
         try:
-            return ControlConnection(host, port, self.options.token, remaining(deadline, ticket))
+            return ControlConnection(
+                *self._address(ticket), self.options.token, remaining(deadline, ticket)
+            )
         except OSError as exc:
             raise fail(ticket, FailureReason.PEER_DIED, f"control unreachable: {exc}") from None
 
-    def _call(self, conn, ticket, deadline: float, message: dict) -> dict:
-        """One control round trip, with failures mapped to typed reasons."""
+    def _checkin(self, ticket: ExportTicket, conn: ControlConnection) -> None:
+        """Keep a connection whose last exchange completed; failed ones are closed."""
+        with self._idle_lock:
+            self._idle.setdefault(self._address(ticket), []).append(conn)
+
+    def _send(self, conn: ControlConnection, ticket: ExportTicket, message: dict) -> None:
         try:
-            reply = conn.call(
-                {**message, "request_id": ticket.request_id}, remaining(deadline, ticket)
-            )
+            conn.send({**message, "request_id": ticket.request_id})
+        except OSError as exc:
+            raise self._lost(ticket, message["op"], exc) from None
+
+    def _reply(self, conn: ControlConnection, ticket: ExportTicket, deadline: float, op: str):
+        """The reply to the oldest request sent on `conn`, failures mapped to reasons."""
+        try:
+            reply = conn.recv(remaining(deadline, ticket))
         except TimeoutError:
-            raise fail(ticket, FailureReason.TIMEOUT, f"sender silent on {message['op']}") from None
+            raise fail(ticket, FailureReason.TIMEOUT, f"sender silent on {op}") from None
         except (ChannelClosed, OSError) as exc:
-            host, port = ticket.sender_endpoint["shm"]["control"]
-            reason = (
-                FailureReason.DROPPED
-                if responsive(host, port, self.options.token)
-                else FailureReason.PEER_DIED
-            )
-            raise fail(ticket, reason, f"control channel lost on {message['op']}: {exc}") from None
+            raise self._lost(ticket, op, exc) from None
         if not reply.get("ok"):
             reason = FailureReason(reply.get("reason", "internal"))
-            raise fail(ticket, reason, f"sender refused {message['op']}: {reply}")
+            raise fail(ticket, reason, f"sender refused {op}: {reply}")
         return reply
 
-    def _pull(self, ticket: ExportTicket, dst_block_ids: list[int], deadline: float) -> str:
+    def _lost(self, ticket: ExportTicket, op: str, exc: Exception) -> KVTransferError:
+        host, port = self._address(ticket)
+        reason = (
+            FailureReason.DROPPED
+            if responsive(host, port, self.options.token)
+            else FailureReason.PEER_DIED
+        )
+        return fail(ticket, reason, f"control channel lost on {op}: {exc}")
+
+    def _call(self, conn, ticket, deadline: float, message: dict) -> dict:
+        """One control round trip."""
+        self._send(conn, ticket, message)
+        return self._reply(conn, ticket, deadline, message["op"])
+
+    def _pull(
+        self,
+        ticket: ExportTicket,
+        dst_block_ids: list[int],
+        deadline: float,
+        verifier: BlockVerifier,
+    ) -> str:
         if ticket.sender_endpoint.get("shm") is None:
             raise fail(ticket, FailureReason.INTERNAL, "sender does not serve shm")
         src = self._mapped(ticket)
-        conn = self._connect(ticket, deadline)
+        conn = self._checkout(ticket, deadline)
         try:
-            self._call(conn, ticket, deadline, {"op": "begin"})
-            nbytes = self._copy(conn, ticket, src, dst_block_ids, deadline)
+            # On a connection the sender already accepted (token checked), the `begin`
+            # reply is read after the copy, so the round trip overlaps the copy: the
+            # bytes land in our own blocks, and a refused begin still fails the fetch.
+            # A new connection waits for it: nothing is read before the token is.
+            self._send(conn, ticket, {"op": "begin"})
+            begun = [False]
+
+            def confirm_begin() -> None:
+                if not begun[0]:
+                    self._reply(conn, ticket, deadline, "begin")
+                    begun[0] = True
+
+            if not conn.accepted:
+                confirm_begin()
+
+            nbytes = self._copy(conn, ticket, src, dst_block_ids, deadline, verifier, confirm_begin)
+            confirm_begin()
             self._call(conn, ticket, deadline, {"op": "end", "ok": True, "nbytes": nbytes})
-        finally:
+        except BaseException:
             conn.close()
+            raise
+        conn.accepted = True
+        self._checkin(ticket, conn)
         return "shm"
 
-    def _copy(self, conn, ticket, src: torch.Tensor, dst_block_ids, deadline: float) -> int:
+    def _copy(
+        self, conn, ticket, src: torch.Tensor, dst_block_ids, deadline: float, verifier, confirm
+    ) -> int:
         shaper = Shaper(self.options.bandwidth_bytes_per_s, self.options.added_latency_s)
-        chunk = shaper.piece_bytes(self.options.chunk_bytes)
-        pieces = plan_pieces(ticket.block_ids, dst_block_ids, self.pool.layout.block_nbytes, chunk)
+        block = self.pool.layout.block_nbytes
+        # Whole blocks of about CACHE_PIECE bytes: each is checksummed right after its copy,
+        # while it is still in L2, instead of read back from memory in a second pass.
+        cache_piece = max(block, CACHE_PIECE // block * block)
+        chunk = min(shaper.piece_bytes(self.options.chunk_bytes), cache_piece)
+        pieces = plan_pieces(ticket.block_ids, dst_block_ids, block, chunk)
         corrupt_only = FaultOptions(
             mode="corrupt" if self.options.faults.mode == "corrupt" else "none",
             probability=self.options.faults.probability,
@@ -236,25 +301,39 @@ class ShmReceiver(TransportReceiver):
             nonlocal last_beat
             remaining(deadline, ticket)
             if time.monotonic() - last_beat > beat_every:
+                confirm()  # the begin reply comes first on this connection
                 self._call(conn, ticket, deadline, {"op": "heartbeat"})
                 last_beat = time.monotonic()
             shaper.pace(piece.nbytes)
             return faults.hit(piece.offset, piece.nbytes)
 
         shaper.start()
-        copy_pieces(src, flat_bytes(self.pool.kv), pieces, step)
+        copy_pieces(src, flat_bytes(self.pool.kv), pieces, step, verifier.landed)
         shaper.finish()
         return total_bytes(pieces)
 
     def keepalive(self, ticket: ExportTicket, timeout_s: float = 5.0) -> bool:
         deadline = time.monotonic() + timeout_s
-        conn = self._connect(ticket, deadline)
         try:
-            return bool(conn.call({"op": "heartbeat", "request_id": ticket.request_id})["ok"])
-        except (ChannelClosed, OSError):
+            conn = self._checkout(ticket, deadline)
+        except KVTransferError:
             return False
-        finally:
+        try:
+            reply = conn.call({"op": "heartbeat", "request_id": ticket.request_id}, timeout_s)
+        except (ChannelClosed, OSError):
             conn.close()
+            return False
+        if reply.get("reason") == "unauthorized":  # the sender closed this connection
+            conn.close()
+            return False
+        conn.accepted = True
+        self._checkin(ticket, conn)
+        return bool(reply.get("ok"))
 
     def close(self) -> None:
+        with self._idle_lock:
+            idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for conn in conns:
+                conn.close()
         self._maps.clear()
