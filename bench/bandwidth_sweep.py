@@ -14,67 +14,16 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-import requests
 import yaml
 from tqdm import tqdm
 
 from bench.loadgen import LoadSpec, run_load, summarize
 from bench.serve_bench import random_prompts
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class _Server:
-    """One `pdserve serve` subprocess with a given config file."""
-
-    def __init__(self, config_path: Path, port: int):
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives as long as the server
-            "w+", prefix="pdserve-sweep-", suffix=".log", delete=False
-        )
-        command = [
-            sys.executable,
-            "-m",
-            "cluster.cli",
-            "serve",
-            "--config",
-            str(config_path),
-            "--port",
-            str(port),
-        ]
-        self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
-
-    def wait_healthy(self, timeout_s: float = 300) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited; see {self.log.name}")
-            try:
-                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"server not healthy; see {self.log.name}")
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+from bench.server_process import ServerProcess
 
 
 def run_point(args, bandwidth: float | None, model_id: str) -> dict:
@@ -87,9 +36,8 @@ def run_point(args, bandwidth: float | None, model_id: str) -> dict:
     }
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as handle:
         yaml.safe_dump(config, handle)
-    server = _Server(Path(handle.name), _free_port())
+    server = ServerProcess(["--config", handle.name], startup_timeout_s=300)
     try:
-        server.wait_healthy()
         prompts = random_prompts(args.num_prompts, args.prompt_len, args.vocab)
         spec = LoadSpec(
             url=server.url,

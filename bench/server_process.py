@@ -1,4 +1,8 @@
-"""Runs `pdserve serve` as a real subprocess on a free loopback port."""
+"""Runs `pdserve serve` as a real subprocess on a free loopback port.
+
+Used by the experiments that need a fresh server per configuration (bandwidth sweep)
+and by the tests that drive a live server.
+"""
 
 from __future__ import annotations
 
@@ -20,11 +24,11 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], env: dict | None = None, startup_timeout_s: float = 180.0):
+    def __init__(self, args: list[str], env: dict | None = None, startup_timeout_s: float = 300.0):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(self.port), *args]
-        self.output_path = f"/tmp/pdserve-test-{self.port}.log"
+        self.output_path = f"/tmp/pdserve-serve-{self.port}.log"
         self.log = open(self.output_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             command, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 
 from cluster.config import ClusterConfig
-from cluster.gpu_stats import read_gpu_stats
+from cluster.worker_report import health_report, node_ip
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -59,7 +58,7 @@ class DecodeWorker:
                 config.transport,
                 worker_id,
                 self.engine.kv_pool,
-                config.kv_transport_options(node_ip=_node_ip()),
+                config.kv_transport_options(node_ip=node_ip()),
             )
         self.loop: EngineLoop | None = None
         self.admission_waiting = 0
@@ -193,27 +192,14 @@ class DecodeWorker:
 
     async def check_health(self) -> dict:
         """Called by the controller's watchdog; raises (or times out) when unhealthy."""
-        loop = self._engine_loop()
-        if not loop.thread.is_alive():
-            raise RuntimeError(f"{self.role} worker {self.worker_id}: engine thread died")
-        stats = self.engine.stats()
-        health = {
-            "worker_id": self.worker_id,
-            "role": self.role,
-            "queue_depth": stats.num_waiting + stats.num_running + self.admission_waiting,
-            "free_blocks": stats.free_blocks,
-            "total_blocks": stats.total_blocks,
-            "num_threads": _torch_threads(),
-            "node_id": _node_id(),
-            "num_running": stats.num_running,
-            "num_waiting": stats.num_waiting + self.admission_waiting,
-            "batch_sizes": {
-                "prefill": stats.prefill_batch_sizes,
-                "decode": stats.decode_batch_sizes,
-            },
-            "gpu": read_gpu_stats(self.config.device),
-            "pid": os.getpid(),
-        }
+        health = health_report(
+            self.worker_id,
+            self.role,
+            self.engine,
+            self._engine_loop(),
+            self.config.device,
+            self.admission_waiting,
+        )
         if self.receiver is not None:
             health["transfer"] = asdict(self.receiver.stats())
         return health
@@ -229,21 +215,3 @@ class DecodeWorker:
             self.loop.stop()
         if self.receiver is not None:
             self.receiver.close()
-
-
-def _node_ip() -> str | None:
-    import ray
-
-    return ray.util.get_node_ip_address() if ray.is_initialized() else None
-
-
-def _node_id() -> str | None:
-    import ray
-
-    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
-
-
-def _torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()

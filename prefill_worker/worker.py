@@ -13,12 +13,11 @@ Lifecycle of a request here:
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import asdict, dataclass
 
 from cluster.config import ClusterConfig
-from cluster.gpu_stats import read_gpu_stats
+from cluster.worker_report import health_report, node_ip
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -57,7 +56,7 @@ class PrefillWorker:
             config.transport,
             worker_id,
             self.engine.kv_pool,
-            config.kv_transport_options(node_ip=_node_ip()),
+            config.kv_transport_options(node_ip=node_ip()),
         )
         self.loop: EngineLoop | None = None
 
@@ -122,28 +121,11 @@ class PrefillWorker:
 
     async def check_health(self) -> dict:
         """Called by the controller's watchdog; raises (or times out) when unhealthy."""
-        loop = self._engine_loop()
-        if not loop.thread.is_alive():
-            raise RuntimeError(f"prefill worker {self.worker_id}: engine thread died")
-        stats = self.engine.stats()
-        return {
-            "worker_id": self.worker_id,
-            "role": "prefill",
-            "queue_depth": stats.num_waiting + stats.num_running,
-            "free_blocks": stats.free_blocks,
-            "total_blocks": stats.total_blocks,
-            "num_threads": _torch_threads(),
-            "node_id": _node_id(),
-            "num_running": stats.num_running,
-            "num_waiting": stats.num_waiting,
-            "batch_sizes": {
-                "prefill": stats.prefill_batch_sizes,
-                "decode": stats.decode_batch_sizes,
-            },
-            "gpu": read_gpu_stats(self.config.device),
-            "pid": os.getpid(),
-            "transfer": asdict(self.sender.stats()),
-        }
+        health = health_report(
+            self.worker_id, "prefill", self.engine, self._engine_loop(), self.config.device
+        )
+        health["transfer"] = asdict(self.sender.stats())
+        return health
 
     async def debug_state(self) -> dict:
         """Leak checks in tests and drills: blocks in use and leases outstanding."""
@@ -160,21 +142,3 @@ class PrefillWorker:
         if self.loop is not None:
             self.loop.stop()
         self.sender.close()
-
-
-def _node_ip() -> str | None:
-    import ray
-
-    return ray.util.get_node_ip_address() if ray.is_initialized() else None
-
-
-def _node_id() -> str | None:
-    import ray
-
-    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
-
-
-def _torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.server_process import ServerProcess
+from bench.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 

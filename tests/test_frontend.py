@@ -11,8 +11,8 @@ import openai
 import pytest
 import requests
 
+from bench.server_process import ServerProcess
 from tests.factories import hf_greedy
-from tests.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 

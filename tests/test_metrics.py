@@ -20,10 +20,10 @@ import requests
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.server_process import ServerProcess, free_port
 from cluster.metrics import ClusterMetrics
 from cluster.timeline import RequestTimeline
 from engine.block_manager import blocks_needed
-from tests.server_process import ServerProcess, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS_BIN = ROOT / ".tools" / "prometheus" / "usr" / "bin"
