@@ -17,7 +17,6 @@ import json
 import os
 import random
 import signal
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -121,7 +120,7 @@ async def run_drill(args) -> DrillReport:
         concurrency=args.concurrency,
         api_key=args.api_key,
     )
-    reference = {r.prompt: r.text for r in await run_load(spec) if r.ok}
+    reference = {r.prompt: r for r in await run_load(spec) if r.ok}
     load = LoadSpec(**{**asdict(spec), "prompts": prompts})
     kills: list[KillEvent] = []
     watchers: list[asyncio.Task] = []
@@ -207,20 +206,21 @@ def _verdict(
 ) -> DrillReport:
     done = [r for r in records if r.ok]
     affected = [r for r in done if r.server_timings.get("recoveries")]
-    calm = [r.e2e_s for r in done if not r.server_timings.get("recoveries")]
-    baseline = statistics.median(calm) if calm else 0.0
-    extra = [r.e2e_s - baseline for r in affected]
-    exact = sum(1 for r in done if r.text == reference.get(r.prompt))
-    wrong = [r for r in done if r.text != reference.get(r.prompt)]
+    # Extra latency: each affected request against the same prompt's uninterrupted run
+    # at the same concurrency (the reference pass), not against other prompts.
+    extra = [r.e2e_s - reference[r.prompt].e2e_s for r in affected if r.prompt in reference]
+    expected = {prompt: ref.text for prompt, ref in reference.items()}
+    exact = sum(1 for r in done if r.text == expected.get(r.prompt))
+    wrong = [r for r in done if r.text != expected.get(r.prompt)]
     return DrillReport(
         requests=len(records),
         completed=len(done),
         recovered=len(affected),
         failed=len(records) - len(done),
         exact=exact,
-        duplicated_text=sum(1 for r in wrong if len(r.text) > len(reference.get(r.prompt, ""))),
-        missing_text=sum(1 for r in wrong if len(r.text) < len(reference.get(r.prompt, ""))),
-        diverged=sum(1 for r in wrong if len(r.text) == len(reference.get(r.prompt, ""))),
+        duplicated_text=sum(1 for r in wrong if len(r.text) > len(expected.get(r.prompt, ""))),
+        missing_text=sum(1 for r in wrong if len(r.text) < len(expected.get(r.prompt, ""))),
+        diverged=sum(1 for r in wrong if len(r.text) == len(expected.get(r.prompt, ""))),
         extra_latency_p50_s=percentile(extra, 50),
         extra_latency_p99_s=percentile(extra, 99),
         kills=kills,
