@@ -20,9 +20,14 @@ import signal
 import time
 from dataclasses import asdict, dataclass, field
 
-import aiohttp
-
-from bench.loadgen import LoadSpec, RequestRecord, percentile, run_load
+from bench.loadgen import (
+    LoadSpec,
+    RequestRecord,
+    get_json,
+    percentile,
+    run_load,
+    served_model_id,
+)
 
 _SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM}
 
@@ -68,23 +73,16 @@ class Admin:
 
     def __init__(self, url: str, api_key: str | None):
         self.url = url
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.api_key = api_key
 
     async def get(self, path: str) -> dict:
-        async with (
-            aiohttp.ClientSession() as session,
-            session.get(
-                f"{self.url}{path}", headers=self.headers, timeout=aiohttp.ClientTimeout(total=30)
-            ) as response,
-        ):
-            response.raise_for_status()
-            return await response.json()
+        return await get_json(self.url, path, self.api_key)
 
     async def workers(self) -> list[dict]:
         return (await self.get("/admin/workers"))["workers"]
 
     async def model(self) -> str:
-        return (await self.get("/v1/models"))["data"][0]["id"]
+        return await served_model_id(self.url, self.api_key)
 
 
 def drill_prompts(count: int, distinct: int = 16) -> list[str]:

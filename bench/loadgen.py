@@ -141,6 +141,24 @@ async def run_load(spec: LoadSpec, warmup: int = 0) -> list[RequestRecord]:
         return await asyncio.gather(*(one(i, p) for i, p in enumerate(spec.prompts)))
 
 
+async def get_json(
+    url: str, path: str, api_key: str | None = None, timeout_s: float = 30.0
+) -> dict:
+    """One GET against the server (model list, admin endpoints); raises on HTTP errors."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with (
+        aiohttp.ClientSession(timeout=timeout) as session,
+        session.get(f"{url}{path}", headers=headers) as r,
+    ):
+        r.raise_for_status()
+        return await r.json()
+
+
+async def served_model_id(url: str, api_key: str | None = None) -> str:
+    return (await get_json(url, "/v1/models", api_key))["data"][0]["id"]
+
+
 def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None

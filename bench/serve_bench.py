@@ -13,9 +13,7 @@ import json
 import random
 import time
 
-import aiohttp
-
-from bench.loadgen import LoadSpec, run_load, summarize
+from bench.loadgen import LoadSpec, run_load, served_model_id, summarize
 
 
 def random_prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -23,17 +21,8 @@ def random_prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[l
     return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(count)]
 
 
-async def _model_id(url: str, api_key: str | None) -> str:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with (
-        aiohttp.ClientSession() as session,
-        session.get(f"{url}/v1/models", headers=headers) as r,
-    ):
-        return (await r.json())["data"][0]["id"]
-
-
 async def bench_serve(args) -> dict:
-    model = args.model or await _model_id(args.url, args.api_key)
+    model = args.model or await served_model_id(args.url, args.api_key)
     results = {}
     for concurrency in [int(c) for c in args.concurrency.split(",")]:
         prompts = random_prompts(
