@@ -177,9 +177,6 @@ class Controller:
             return
         logger.error("worker %s stays dead: %d restarts used", worker.worker_id, worker.restarts)
 
-    def live(self, role: str) -> list[WorkerInfo]:
-        return [w for w in self.workers.values() if w.role == role and w.alive]
-
     async def debug_states(self) -> dict[str, dict]:
         """Leak check across the cluster: per live worker, blocks used and leases held."""
         live = [w for w in self.workers.values() if w.alive]

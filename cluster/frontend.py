@@ -109,8 +109,7 @@ class OpenAIHandler:
 
     def health(self) -> JSONResponse:
         live = {
-            role: len(self.cluster.controller.live(role))
-            for role in ("prefill", "decode", "colocated")
+            role: len(self.cluster.router.live(role)) for role in ("prefill", "decode", "colocated")
         }
         ready = (live["prefill"] and live["decode"]) or live["colocated"]
         return JSONResponse(

@@ -78,6 +78,8 @@ class _Progress:
     """Characters of text of the decided tokens, as streamed (or about to be)."""
     ticket: dict | None = None
     prefill: WorkerInfo | None = None
+    decode: WorkerInfo | None = None
+    """Decode worker picked together with the prefill worker (the export's peer)."""
     acked: bool = False
     finished_at_prefill: bool = False
 
@@ -159,10 +161,11 @@ class RequestFlow:
                 prefill = self.router.pick("prefill", request_id)
             except NoLiveWorkerError:
                 return None
-            decode_hint = self._peek_decode(request_id)
+            progress.decode = self._pick_now("decode", request_id)
+            peer_id = progress.decode.worker_id if progress.decode else ""
             try:
                 result = await self._prefill(
-                    prefill, request_id, prompt_ids, params, decode_hint, timeline
+                    prefill, request_id, prompt_ids, params, peer_id, timeline
                 )
             except WORKER_FAILURES as exc:
                 self._failed(prefill, exc, timeline, "prefill_died")
@@ -171,11 +174,11 @@ class RequestFlow:
             timeline.prefill_worker = prefill.worker_id
             return result
 
-    def _peek_decode(self, request_id: str) -> str:
+    def _pick_now(self, role: str, request_id: str) -> WorkerInfo | None:
         try:
-            return self.router.pick("decode", request_id).worker_id
+            return self.router.pick(role, request_id)
         except NoLiveWorkerError:
-            return ""
+            return None
 
     async def _prefill(
         self, prefill: WorkerInfo, request_id, prompt_ids, params, peer_id, timeline
@@ -196,7 +199,11 @@ class RequestFlow:
         role = "colocated" if self.config.mode == "colocated" else "decode"
         try:
             while True:
-                worker = await self._pick_waiting(role, request_id)
+                worker = progress.decode if progress.decode and progress.decode.alive else None
+                # The decode worker chosen with the prefill (the ticket names it) goes first;
+                # picking again would also advance round_robin twice per request.
+                progress.decode = None
+                worker = worker or await self._pick_waiting(role, request_id)
                 timeline.decode_worker = worker.worker_id
                 try:
                     async for chunk in self._decode_on(

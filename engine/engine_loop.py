@@ -38,7 +38,6 @@ class EngineLoop:
         self.streams: dict[str, asyncio.Queue] = {}
         self.wakeup = threading.Event()
         self.running = True
-        self.steps = 0
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.thread.start()
 
@@ -83,7 +82,6 @@ class EngineLoop:
             except Exception:
                 logger.exception("engine step failed")
                 raise
-            self.steps += 1
             if outputs:
                 self.loop.call_soon_threadsafe(self._deliver, outputs)
 

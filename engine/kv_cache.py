@@ -113,7 +113,3 @@ class KVCachePool:
             raise ValueError(f"block data has shape {tuple(data.shape)}, expected {expected}")
         index = torch.as_tensor(block_ids, dtype=torch.long, device=self.kv.device)
         self.kv.index_copy_(0, index, data.to(device=self.kv.device, dtype=self.kv.dtype))
-
-    def block_view(self, block_id: int) -> torch.Tensor:
-        """The live storage of one block (no copy): transports read and write through it."""
-        return self.kv[block_id]

@@ -63,9 +63,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             num_new = self._piece(seq, budget)
-            extra = blocks_needed(seq.num_computed_tokens + num_new, self.config.block_size) - len(
-                seq.block_ids
-            )
+            extra = self._missing_blocks(seq, num_new)
             if not self.allocator.can_allocate(extra):
                 break
             self.waiting.popleft()
@@ -82,11 +80,14 @@ class Scheduler:
         remaining = seq.num_tokens - seq.num_computed_tokens
         return min(remaining, self.config.prefill_chunk_size, budget)
 
+    def _missing_blocks(self, seq: Sequence, num_new: int) -> int:
+        """Blocks `seq` lacks to hold its computed tokens plus `num_new` more."""
+        total = seq.num_computed_tokens + num_new
+        return blocks_needed(total, self.config.block_size) - len(seq.block_ids)
+
     def _grow(self, seq: Sequence, num_new: int) -> bool:
         """Make room for `num_new` more tokens of a running sequence, preempting if needed."""
-        needed = blocks_needed(seq.num_computed_tokens + num_new, self.config.block_size) - len(
-            seq.block_ids
-        )
+        needed = self._missing_blocks(seq, num_new)
         while not self.allocator.can_allocate(needed):
             victim = self._youngest_running()
             self.preempt(victim)
