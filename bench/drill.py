@@ -3,7 +3,9 @@
 Phases:
   1. reference: each distinct prompt once, greedy, with no faults -> expected text;
   2. load: N streaming requests at concurrency C while worker processes are killed
-     (by PID, with SIGKILL or SIGTERM) at the chosen times;
+     (by PID, with SIGKILL or SIGTERM) at the chosen times; when the N requests finish
+     before the last kill (a fast model), the load goes on in rounds of C more requests
+     until every kill has landed under load;
   3. verdict: per request completed / recovered / failed; streams compared with their
      reference (duplicated or missing text is counted); extra latency of requests that
      went through a recovery; time until every worker was alive again; KV blocks still
@@ -54,6 +56,7 @@ class DrillReport:
     extra_latency_p50_s: float | None
     extra_latency_p99_s: float | None
     kills: list[KillEvent] = field(default_factory=list)
+    kills_planned: int = 0
     full_strength_after_s: float | None = None
     leaked_blocks: dict[str, int] = field(default_factory=dict)
     leaked_leases: dict[str, int] = field(default_factory=dict)
@@ -62,6 +65,7 @@ class DrillReport:
     def passed(self) -> bool:
         return (
             self.failed == 0
+            and len(self.kills) == self.kills_planned
             and self.exact == self.requests
             and not any(self.leaked_blocks.values())
             and not any(self.leaked_leases.values())
@@ -124,22 +128,26 @@ async def run_drill(args) -> DrillReport:
     watchers: list[asyncio.Task] = []
     killer = asyncio.create_task(_kill_schedule(admin, args, kills, watchers))
     records = await run_load(load)
-    killer.cancel()
+    while not killer.done():
+        extra_round = LoadSpec(**{**asdict(spec), "prompts": prompts[: args.concurrency]})
+        records += await run_load(extra_round)
+    await killer  # surfaces an error of the kill schedule (e.g. /admin unreachable)
     full_strength = await _wait_full_strength(admin, kills, timeout_s=args.recovery_timeout)
     for watcher in watchers:
         watcher.cancel()
     blocks, leases = await _leaks(admin, timeout_s=args.recovery_timeout)
-    return _verdict(records, reference, kills, full_strength, blocks, leases)
+    report = _verdict(records, reference, kills, full_strength, blocks, leases)
+    report.kills_planned = len(kill_times(args))
+    return report
 
 
 async def _kill_schedule(
     admin: Admin, args, kills: list[KillEvent], watchers: list[asyncio.Task]
 ) -> None:
     start = time.monotonic()
-    times = [args.at] if args.at is not None else [args.every * (i + 1) for i in range(args.count)]
-    for when in times[: args.count]:
+    for when in kill_times(args):
         await asyncio.sleep(max(0.0, start + when - time.monotonic()))
-        victim = _choose_victim(await admin.workers(), args.kill)
+        victim = await _next_victim(admin, args.kill, args.recovery_timeout)
         if victim is None:
             continue
         os.kill(victim["pid"], _SIGNALS[args.signal])
@@ -147,6 +155,22 @@ async def _kill_schedule(
             KillEvent(time.monotonic() - start, victim["worker_id"], victim["role"], victim["pid"])
         )
         watchers.append(asyncio.create_task(_time_recovery(admin, kills[-1], time.monotonic())))
+
+
+def kill_times(args) -> list[float]:
+    """Seconds into the load at which to kill, from --at or --every/--count."""
+    times = [args.at] if args.at is not None else [args.every * (i + 1) for i in range(args.count)]
+    return times[: args.count]
+
+
+async def _next_victim(admin: Admin, role: str, timeout_s: float) -> dict | None:
+    """A live worker of `role`; waits for one to come back when all of them are down."""
+    deadline = time.monotonic() + timeout_s
+    while (victim := _choose_victim(await admin.workers(), role)) is None:
+        if time.monotonic() > deadline:
+            return None
+        await asyncio.sleep(0.2)
+    return victim
 
 
 def _choose_victim(workers: list[dict], role: str) -> dict | None:
@@ -241,6 +265,7 @@ def format_report(report: DrillReport) -> str:
         f"{'duplicated / missing / diverged':<36}{report.duplicated_text} / {report.missing_text} / {report.diverged}",
         f"{'extra latency p50 / p99 (s)':<36}{fmt(report.extra_latency_p50_s)} / {fmt(report.extra_latency_p99_s)}",
         f"{'full strength again after (s)':<36}{fmt(report.full_strength_after_s)}",
+        f"{'kills done / planned':<36}{len(report.kills)} / {report.kills_planned}",
     ]
     for kill in report.kills:
         lines.append(

@@ -3,6 +3,12 @@
 Tokens of all sequences in a step are packed into one [T, hidden] batch so the
 projections run as large matmuls; only attention looks at sequence boundaries
 (see `engine.attention`). Logits are computed only for the rows a sampler needs.
+
+The residual stream stays in float32 whatever the weights' dtype: with bf16 weights,
+a bf16 residual (8-bit mantissa) drops layer updates that are small next to its
+outliers (SmolLM2 reaches ~25000, where one bf16 step is 128), and on the demo model
+that alone turned "Paris" into a different answer. Matmuls still run in the weights'
+dtype; only the [tokens, hidden] adds and norms run in float32.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from engine.linear import linear
 from engine.model_spec import ModelSpec
 from engine.rope import RotaryEmbedding
 from engine.weights import LayerWeights, load_weights
+
+RESIDUAL_DTYPE = torch.float32
 
 
 class LlamaForward:
@@ -54,15 +62,20 @@ class LlamaForward:
         logits_rows: torch.Tensor,
     ) -> torch.Tensor:
         """Run one packed step; returns float32 logits [len(logits_rows), vocab]."""
-        hidden = F.embedding(input_ids, self.weights.embed)
+        hidden = F.embedding(input_ids, self.weights.embed).to(RESIDUAL_DTYPE)
         for index, layer in enumerate(self.weights.layers):
             hidden = self._layer(index, layer, hidden, positions, meta, kv_pool)
         hidden = hidden.index_select(0, logits_rows)
         hidden = self._norm(hidden, self.weights.final_norm)
         return linear(hidden, self.weights.lm_head).float()
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), weight, self.spec.rms_norm_eps)
+    def _norm(self, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of the float32 residual, returned in the weights' dtype for the matmul."""
+        shape, eps = (residual.shape[-1],), self.spec.rms_norm_eps
+        if residual.dtype == weight.dtype:
+            return F.rms_norm(residual, shape, weight, eps)
+        # As transformers does: normalize in float32, scale in the weights' dtype.
+        return F.rms_norm(residual, shape, None, eps).to(weight.dtype) * weight
 
     def _layer(self, index, layer: LayerWeights, hidden, positions, meta, kv_pool):
         num_tokens = hidden.shape[0]

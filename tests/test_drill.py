@@ -64,9 +64,11 @@ def test_drill_kills_workers_and_reports_no_loss(tiny_llama_dir, tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr + server.output()
     report = json.loads(report_path.read_text())
     assert report["passed"] is True
-    assert report["requests"] == report["completed"] == report["exact"] == 24
+    # 24 requests, plus rounds of 8 when they finish before the second kill lands.
+    assert report["requests"] >= 24
+    assert report["requests"] == report["completed"] == report["exact"]
     assert report["failed"] == report["duplicated_text"] == report["missing_text"] == 0
-    assert len(report["kills"]) == 2
+    assert len(report["kills"]) == report["kills_planned"] == 2
     assert report["full_strength_after_s"] is not None
     assert report["leaked_blocks"] and not any(report["leaked_blocks"].values())
     assert "PASS" in result.stdout
