@@ -9,6 +9,8 @@ block-major: consecutive block ids are consecutive bytes.
 
 from __future__ import annotations
 
+from collections import deque
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import torch
@@ -88,3 +90,43 @@ def copy_pieces(
             dst[0] = 255 - int(dst[0])
         if landed is not None:
             landed(piece.offset + piece.nbytes)
+
+
+def copy_pieces_parallel(
+    src_flat: torch.Tensor,
+    dst_flat: torch.Tensor,
+    pieces: list[Piece],
+    step,
+    verify_piece,
+    executor: Executor,
+    lanes: int,
+) -> None:
+    """`copy_pieces` for CPU pools with up to `lanes` pieces copied at once by `executor`.
+
+    `step(piece)` still runs in order on the calling thread; `verify_piece(piece)` runs
+    on the copying thread right after its copy, while the piece is in that core's cache.
+    Returns (or raises) only once no copy is running, so a caller that frees the
+    destination blocks on failure never races a copy into them.
+    """
+    src_all, dst_all = src_flat.numpy(), dst_flat.numpy()
+
+    def copy_one(piece: Piece, corrupt: bool) -> None:
+        dst = dst_all[piece.dst : piece.dst + piece.nbytes]
+        dst[:] = src_all[piece.src : piece.src + piece.nbytes]  # numpy releases the GIL
+        if corrupt:
+            dst[0] = 255 - int(dst[0])
+        verify_piece(piece)
+
+    in_flight: deque = deque()
+    try:
+        for piece in pieces:
+            corrupt = step(piece)
+            if len(in_flight) >= lanes:
+                in_flight.popleft().result()
+            in_flight.append(executor.submit(copy_one, piece, corrupt))
+        while in_flight:
+            in_flight.popleft().result()
+    finally:
+        for future in in_flight:  # only left after a failure
+            if not future.cancel():
+                future.exception()  # wait for the running copy; the first error wins

@@ -54,7 +54,8 @@ class BlockVerifier:
 
     The receiver makes one per fetch; the transport calls `landed(end)` once the
     request's byte stream is complete up to `end` (blocks are verified as soon as they
-    are whole), and the receiver calls `finish()` after the transport returns.
+    are whole), or `verify_piece` per piece when pieces land out of order (parallel
+    copies), and the receiver calls `finish()` after the transport returns.
     """
 
     def __init__(self, kv: torch.Tensor, dst_block_ids: list[int], ticket: ExportTicket):
@@ -72,21 +73,35 @@ class BlockVerifier:
         self.dst = dst_block_ids
         self.ticket = ticket
         self.block_nbytes = kv[0].numel() * kv.element_size() if len(kv) else 1
-        self.done = 0  # blocks verified so far (a prefix of the stream)
+        self.done = 0  # stream positions up to here are verified
+        self.checked = [False] * len(dst_block_ids)
         self.bad: list[int] = []
 
     def landed(self, end: int) -> None:
         """Bytes [0, end) of the stream are in place: verify the blocks now whole."""
         whole = min(end // self.block_nbytes, len(self.dst))
+        self.verify_blocks(self.done, whole)
+        self.done = max(self.done, whole)
+
+    def verify_piece(self, offset: int, nbytes: int) -> None:
+        """Verify the blocks wholly inside stream bytes [offset, offset + nbytes), in any
+        order; copy threads call this on disjoint pieces right after copying them."""
+        first = -(-offset // self.block_nbytes)
+        self.verify_blocks(first, min((offset + nbytes) // self.block_nbytes, len(self.dst)))
+
+    def verify_blocks(self, first: int, stop: int) -> None:
+        """Check stream positions [first, stop) not checked yet."""
         algo, sums, size = self.ticket.checksum_algo, self.ticket.checksums, self.block_nbytes
-        for i in range(self.done, whole):
+        for i in range(first, stop):
+            if self.checked[i]:
+                continue
             if self.flat is None:
                 data = block_bytes(self.kv[self.dst[i]])
             else:
                 data = self.flat[self.dst[i] * size : (self.dst[i] + 1) * size]
             if checksum(data, algo) != sums[i]:
                 self.bad.append(i)
-        self.done = max(self.done, whole)
+            self.checked[i] = True
 
     def finish(self) -> None:
         """Verify the rest; raise CHECKSUM naming every block position that differs."""
@@ -94,7 +109,7 @@ class BlockVerifier:
         if self.bad:
             raise KVTransferError(
                 f"{len(self.bad)} of {len(self.dst)} blocks failed their checksum "
-                f"(positions {self.bad[:8]})",
+                f"(positions {sorted(self.bad)[:8]})",
                 self.ticket.request_id,
                 self.ticket.sender_id,
                 FailureReason.CHECKSUM,

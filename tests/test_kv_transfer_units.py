@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from kv_transfer import (
     make_receiver,
     make_sender,
 )
-from kv_transfer.blockio import plan_pieces
+from kv_transfer.blockio import copy_pieces_parallel, flat_bytes, plan_pieces
 from kv_transfer.integrity import checksum
 from kv_transfer.ownership import ExportRegistry
 from tests.kv_transfer_peer import LAYOUT, random_pool
@@ -99,6 +100,39 @@ def test_plan_pieces_are_contiguous_on_both_sides():
     ]
 
 
+@pytest.mark.parametrize("failing_piece", [None, 3])
+def test_parallel_copy_is_exact_and_drains_before_a_failure_returns(failing_piece):
+    src = torch.randint(0, 255, (64 * 1024,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    pieces = plan_pieces(list(range(8)), [7, 6, 5, 4, 3, 2, 1, 0], 8192, 8192)
+    running: list[int] = []
+    verified: list[int] = []
+
+    def step(piece):
+        if pieces.index(piece) == failing_piece:
+            raise TimeoutError("deadline")
+        return False
+
+    def verify(piece):
+        running.append(1)
+        time.sleep(0.01)  # a slow copy still in flight when the step fails
+        verified.append(piece.offset)
+        running.pop()
+
+    with ThreadPoolExecutor(2) as pool:
+        if failing_piece is None:
+            copy_pieces_parallel(flat_bytes(src), flat_bytes(dst), pieces, step, verify, pool, 2)
+            assert sorted(verified) == [p.offset for p in pieces]
+            assert torch.equal(dst.view(8, 8192).flip(0), src.view(8, 8192))
+        else:
+            with pytest.raises(TimeoutError):
+                copy_pieces_parallel(
+                    flat_bytes(src), flat_bytes(dst), pieces, step, verify, pool, 2
+                )
+            assert not running  # nothing still writes into blocks the caller will free
+            assert len(verified) <= failing_piece
+
+
 # --- refusals -------------------------------------------------------------------------
 
 
@@ -166,6 +200,7 @@ def test_ticket_round_trips_through_json():
         dict(lease_ttl_s=0),
         dict(chunk_bytes=8 << 20, max_message_bytes=4 << 20),
         dict(checksum="md5"),
+        dict(copy_threads=-1),
     ],
 )
 def test_options_validate(bad):

@@ -26,12 +26,19 @@ import os
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from engine.kv_cache import KVCachePool
 from kv_transfer.base import ExportTicket, FailureReason, KVTransferError
-from kv_transfer.blockio import copy_pieces, flat_bytes, plan_pieces, total_bytes
+from kv_transfer.blockio import (
+    copy_pieces,
+    copy_pieces_parallel,
+    flat_bytes,
+    plan_pieces,
+    total_bytes,
+)
 from kv_transfer.config import FaultOptions, TransportOptions
 from kv_transfer.control import (
     ChannelClosed,
@@ -163,6 +170,12 @@ class ShmReceiver(TransportReceiver):
         self._maps: dict[str, tuple[mmap.mmap, torch.Tensor]] = {}
         self._idle: dict[tuple[str, int], list[ControlConnection]] = {}
         self._idle_lock = threading.Lock()
+        self.copy_lanes = options.copy_threads or torch.get_num_threads()
+        self._copier = (
+            ThreadPoolExecutor(self.copy_lanes, thread_name_prefix="kv-shm-copy")
+            if self.copy_lanes > 1
+            else None
+        )
 
     def _mapped(self, ticket: ExportTicket) -> torch.Tensor:
         info = ticket.sender_endpoint["shm"]
@@ -308,7 +321,12 @@ class ShmReceiver(TransportReceiver):
             return faults.hit(piece.offset, piece.nbytes)
 
         shaper.start()
-        copy_pieces(src, flat_bytes(self.pool.kv), pieces, step, verifier.landed)
+        dst = flat_bytes(self.pool.kv)
+        if self._copier is None or shaper.active:  # a paced link gains nothing from lanes
+            copy_pieces(src, dst, pieces, step, verifier.landed)
+        else:
+            verify = lambda piece: verifier.verify_piece(piece.offset, piece.nbytes)  # noqa: E731
+            copy_pieces_parallel(src, dst, pieces, step, verify, self._copier, self.copy_lanes)
         shaper.finish()
         return total_bytes(pieces)
 
@@ -337,3 +355,5 @@ class ShmReceiver(TransportReceiver):
             for conn in conns:
                 conn.close()
         self._maps.clear()
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
