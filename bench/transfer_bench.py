@@ -5,7 +5,11 @@ A sender child process (spawned, like a prefill worker) holds a pool of 1 MiB bl
 and exports a request per repetition; this process is the receiver and times
 `fetch` only (export and ack are outside the timing). Baselines: the same bytes over
 a plain TCP socket from a child process into a preallocated buffer, and a one-thread
-memcpy. Each figure is the best of `--repeats` runs. See docs/kv_transfer.md.
+memcpy. Library ceilings, also from a child process into a preallocated buffer: bare
+gloo send/recv of the same pieces (`gloo-bare`) and a bare grpcio stream of the same
+messages (`grpc-bare`), with none of our code (no registry, no checksums), so each
+transport's own overhead reads as transport / ceiling. Each figure is the best of
+`--repeats` runs. See docs/kv_transfer.md.
 """
 
 from __future__ import annotations
@@ -31,7 +35,10 @@ def add_transfer_parser(kinds) -> None:
     parser.add_argument("--transport", default=DEFAULT_TRANSPORTS, help="comma-separated")
     parser.add_argument("--sizes", default="1MiB,16MiB,64MiB,256MiB")
     parser.add_argument("--chunk", default="4MiB", help="transport chunk size")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--no-ceilings", action="store_true", help="skip the bare gloo / grpcio measurements"
+    )
     parser.add_argument("--json", default=None, help="also write results to this JSON file")
     parser.set_defaults(func=run_transfer_bench)
 
@@ -94,6 +101,61 @@ def _socket_sender_main(port: int, size: int, repeats: int) -> None:
             sock.sendall(memoryview(data))
 
 
+def _gloo_pair(rank: int, port: int):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timedelta(seconds=60))
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    options._timeout = timedelta(seconds=60)
+    return dist.ProcessGroupGloo(store, rank, 2, options)
+
+
+def _gloo_sender_main(port: int, size: int, piece: int, repeats: int) -> None:
+    import torch
+
+    group = _gloo_pair(0, port)
+    data = torch.randint(0, 255, (size,), dtype=torch.uint8)
+    for _ in range(repeats):
+        group.recv([torch.zeros(1)], 1, 1).wait()  # go
+        works = [group.send([data[o : o + piece]], 1, 0) for o in range(0, size, piece)]
+        for work in works:
+            work.wait()
+
+
+def _grpc_sender_main(conn, size: int, message: int) -> None:
+    from concurrent import futures
+
+    import grpc
+    import numpy as np
+
+    data = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
+
+    def stream(request, context):
+        for offset in range(0, size, message):
+            yield data[offset : offset + message].tobytes()
+
+    handler = grpc.method_handlers_generic_handler(
+        "bench.Bare",
+        {"Stream": grpc.unary_stream_rpc_method_handler(stream, lambda b: b, lambda b: b)},
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(4), options=_grpc_options())
+    server.add_generic_rpc_handlers((handler,))
+    conn.send(server.add_insecure_port("127.0.0.1:0"))
+    server.start()
+    conn.recv()  # stop
+    server.stop(None)
+
+
+def _grpc_options() -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", 64 * MIB),
+        ("grpc.max_receive_message_length", 64 * MIB),
+    ]
+
+
 # --- measurements --------------------------------------------------------------------
 
 
@@ -133,6 +195,63 @@ def measure_socket(size: int, repeats: int) -> float:
     server.close()
     child.join()
     return size / best
+
+
+def measure_gloo_bare(size: int, piece: int, repeats: int) -> float:
+    """Bare gloo pair, same pieces as the collective transport, all sends in flight."""
+    import torch
+
+    port = _free_port()
+    ctx = mp.get_context("spawn")
+    child = ctx.Process(target=_gloo_sender_main, args=(port, size, piece, repeats))
+    child.start()
+    group = _gloo_pair(1, port)
+    buf = torch.empty(size, dtype=torch.uint8)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        group.send([torch.zeros(1)], 0, 1).wait()
+        works = [group.recv([buf[o : o + piece]], 0, 0) for o in range(0, size, piece)]
+        for work in works:
+            work.wait()
+        best = min(best, time.perf_counter() - start)
+    child.join()
+    return size / best
+
+
+def measure_grpc_bare(size: int, repeats: int) -> float:
+    """Bare grpcio server stream of `bytes` messages, the grpc transport's message size."""
+    import grpc
+    import numpy as np
+
+    from kv_transfer.transports.grpc import MESSAGE_BYTES
+
+    ctx = mp.get_context("spawn")
+    parent, child_conn = ctx.Pipe()
+    child = ctx.Process(target=_grpc_sender_main, args=(child_conn, size, MESSAGE_BYTES))
+    child.start()
+    port = parent.recv()
+    buf = np.empty(size, dtype=np.uint8)
+    best = float("inf")
+    with grpc.insecure_channel(f"127.0.0.1:{port}", options=_grpc_options()) as channel:
+        call = channel.unary_stream("/bench.Bare/Stream", lambda b: b, lambda b: b)
+        for rep in range(repeats + 1):  # the first call connects
+            start = time.perf_counter()
+            offset = 0
+            for message in call(b""):
+                buf[offset : offset + len(message)] = np.frombuffer(message, dtype=np.uint8)
+                offset += len(message)
+            if rep:
+                best = min(best, time.perf_counter() - start)
+    parent.send("stop")
+    child.join()
+    return size / best
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def measure_checksum(size: int, repeats: int) -> float:
@@ -199,13 +318,19 @@ def run_transfer_bench(args: argparse.Namespace) -> int:
         raise SystemExit("sizes must be whole MiB")
     transports = [t for t in args.transport.split(",") if t]
     chunk = parse_size(args.chunk)
-    bar = tqdm(total=len(sizes) * (len(transports) + 3), desc="bench transfer", unit="run")
+    ceilings = [] if args.no_ceilings else _ceilings(transports)
+    per_size = 3 + len(ceilings) + len(transports)
+    bar = tqdm(total=len(sizes) * per_size, desc="bench transfer", unit="run")
     rows = {size: {} for size in sizes}
     for size in sizes:
         rows[size]["memcpy"] = measure_memcpy(size, args.repeats)
         rows[size]["checksum"] = measure_checksum(size, args.repeats)
         rows[size]["socket"] = measure_socket(size, args.repeats)
-        bar.update(3)
+        if "gloo-bare" in ceilings:
+            rows[size]["gloo-bare"] = measure_gloo_bare(size, min(chunk, size), args.repeats)
+        if "grpc-bare" in ceilings:
+            rows[size]["grpc-bare"] = measure_grpc_bare(size, args.repeats)
+        bar.update(3 + len(ceilings))
     actual = {}
     for transport in transports:
         speeds, actual[transport] = measure_transport(
@@ -214,15 +339,23 @@ def run_transfer_bench(args: argparse.Namespace) -> int:
         for size, speed in speeds.items():
             rows[size][transport] = speed
     bar.close()
-    _print_table(rows, transports, actual)
+    _print_table(rows, transports, ceilings, actual)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(_as_json(rows, transports, actual, chunk), f, indent=2)
     return 0
 
 
-def _print_table(rows: dict, transports: list[str], actual: dict) -> None:
-    cols = ["memcpy", "checksum", "socket", *transports]
+_CEILING_OF = {"collective": "gloo-bare", "grpc": "grpc-bare"}
+"""The bare library under each transport that has one (skipped with --no-ceilings)."""
+
+
+def _ceilings(transports: list[str]) -> list[str]:
+    return [_CEILING_OF[t] for t in transports if t in _CEILING_OF]
+
+
+def _print_table(rows: dict, transports: list[str], ceilings: list[str], actual: dict) -> None:
+    cols = ["memcpy", "checksum", "socket", *ceilings, *transports]
     print(f"{'size':>8} " + " ".join(f"{c:>11}" for c in cols) + "   (GB/s)")
     for size, row in rows.items():
         cells = " ".join(f"{row[c] / 1e9:>11.2f}" for c in cols)
@@ -231,6 +364,12 @@ def _print_table(rows: dict, transports: list[str], actual: dict) -> None:
     for size, row in rows.items():
         ratios = " ".join(f"{row[t] / row[_baseline(t)]:>11.2f}" for t in transports)
         print(f"{size // MIB:>5}MiB {ratios}")
+    against = [t for t in transports if _CEILING_OF.get(t) in ceilings]
+    if against:
+        print("\nagainst the bare library: " + ", ".join(f"{t}/{_CEILING_OF[t]}" for t in against))
+        for size, row in rows.items():
+            ratios = " ".join(f"{row[t] / row[_CEILING_OF[t]]:>11.2f}" for t in against)
+            print(f"{size // MIB:>5}MiB {ratios}")
     print("transport that moved the bytes: " + ", ".join(f"{t}={actual[t]}" for t in transports))
 
 
