@@ -37,6 +37,12 @@ def add_transfer_parser(kinds) -> None:
     parser.add_argument("--chunk", default="4MiB", help="transport chunk size")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
+        "--copy-threads",
+        type=int,
+        default=0,
+        help="shm receiver copy lanes (0: this process's torch threads, as in a worker)",
+    )
+    parser.add_argument(
         "--no-ceilings", action="store_true", help="skip the bare gloo / grpcio measurements"
     )
     parser.add_argument("--json", default=None, help="also write results to this JSON file")
@@ -57,11 +63,12 @@ def _layout():
     return KVLayout("bench", "float32", 1, 1, 512, 256)  # 1 MiB per block (K and V)
 
 
-def _options(chunk_bytes: int):
+def _options(chunk_bytes: int, copy_threads: int = 0):
     from kv_transfer import TransportOptions
 
     return TransportOptions(
         chunk_bytes=chunk_bytes,
+        copy_threads=copy_threads,
         token=TOKEN,
         timeout_s=120,
         max_message_bytes=max(64 * MIB, 2 * chunk_bytes),
@@ -269,7 +276,9 @@ def measure_checksum(size: int, repeats: int) -> float:
     return size / best
 
 
-def measure_transport(transport: str, sizes: list[int], chunk: int, repeats: int, on_done):
+def measure_transport(
+    transport: str, sizes: list[int], chunk: int, repeats: int, on_done, copy_threads: int = 0
+):
     """GB/s of `fetch` for each size, sender in a child process; returns {size: B/s}."""
     from engine.kv_cache import KVCachePool
     from kv_transfer import ExportTicket, make_receiver
@@ -282,7 +291,7 @@ def measure_transport(transport: str, sizes: list[int], chunk: int, repeats: int
     parent.recv()
     pool = KVCachePool(_layout(), blocks)
     pool.kv.fill_(1.0)  # touch every page before timing
-    receiver = make_receiver(transport, "bench-decode", pool, _options(chunk))
+    receiver = make_receiver(transport, "bench-decode", pool, _options(chunk, copy_threads))
     results, used = {}, set()
     try:
         for size in sizes:
@@ -334,12 +343,16 @@ def run_transfer_bench(args: argparse.Namespace) -> int:
     actual = {}
     for transport in transports:
         speeds, actual[transport] = measure_transport(
-            transport, sizes, chunk, args.repeats, lambda: bar.update(1)
+            transport, sizes, chunk, args.repeats, lambda: bar.update(1), args.copy_threads
         )
         for size, speed in speeds.items():
             rows[size][transport] = speed
     bar.close()
     _print_table(rows, transports, ceilings, actual)
+    if "shm" in transports:
+        import torch
+
+        print(f"shm copy lanes: {args.copy_threads or torch.get_num_threads()}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(_as_json(rows, transports, actual, chunk), f, indent=2)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -295,8 +296,13 @@ def test_overload_gets_429_with_retry_after_then_recovers(server, client, model_
         "stream": True,
     }
     headers = {"Authorization": f"Bearer {API_KEY}"}
+    excess = 24
+    # All posts leave together: on a fast machine a 480-token stream of the tiny model
+    # ends in about a second, so staggered posts could all fit in the slots.
+    start_line = threading.Barrier(MAX_IN_FLIGHT + excess)
 
     def open_stream(_):
+        start_line.wait(timeout=30)
         response = requests.post(
             f"{server.url}/v1/completions", json=body, headers=headers, stream=True, timeout=60
         )
@@ -304,8 +310,8 @@ def test_overload_gets_429_with_retry_after_then_recovers(server, client, model_
             next(response.iter_lines())
         return response
 
-    with ThreadPoolExecutor(max_workers=MAX_IN_FLIGHT + 8) as pool:
-        responses = list(pool.map(open_stream, range(MAX_IN_FLIGHT + 8)))
+    with ThreadPoolExecutor(max_workers=MAX_IN_FLIGHT + excess) as pool:
+        responses = list(pool.map(open_stream, range(MAX_IN_FLIGHT + excess)))
     for response in responses:
         response.close()
 
