@@ -26,9 +26,7 @@ def demo_dir():
     return prepare_demo_model()
 
 
-@pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
-def test_generate_cli_answers_paris(demo_dir, dtype):
-    """bfloat16 is what `auto` picks on AMX CPUs and GPUs; it must still answer right."""
+def test_generate_cli_answers_paris(demo_dir):
     command = [
         sys.executable,
         "-m",
@@ -43,8 +41,6 @@ def test_generate_cli_answers_paris(demo_dir, dtype):
         "20",
         "--temperature",
         "0",
-        "--dtype",
-        dtype,
     ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, check=True)
     assert "Paris" in result.stdout
