@@ -9,7 +9,7 @@ TORCH_VERSION := 2.13.0
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test lint format generate bench clean help tools
+.PHONY: setup serve test lint format generate bench clean help tools peers
 
 help:
 	@echo "make serve   - set up, then serve the demo model on http://127.0.0.1:8000"
@@ -17,6 +17,7 @@ help:
 	@echo "make bench   - engine benchmark (writes nothing; see docs/benchmarks.md)"
 	@echo "make format  - apply ruff formatting and import sorting"
 	@echo "make tools   - unpack promtool + prometheus (Debian package) into .tools/ for the metrics tests"
+	@echo "make peers   - optional NIXL + Mooncake for 'pdserve bench transfer' (not used by make test)"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -66,6 +67,27 @@ tools:
 	tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && chmod 777 "$$tmp" && \
 	apt-get update -qq && (cd "$$tmp" && apt-get download -qq prometheus) && \
 	mkdir -p .tools/prometheus && dpkg -x "$$tmp"/prometheus_*.deb .tools/prometheus
+
+# Optional transfer peers measured by `pdserve bench transfer` (the `peers` extra); never
+# part of `make test`/CI. --no-deps: nixl-cu12 declares an unpinned torch (see above),
+# and their runtime deps (torch, numpy, aiohttp, requests, msgpack) come with the project.
+# Mooncake's engine links libibverbs even for TCP: Debian's libibverbs1 and its libnl
+# dependencies are unpacked (never installed) into .tools/ibverbs, which
+# bench/transfer_peers.py loads by path. PEER_WHEELS=DIR installs from local wheels.
+PEER_PKGS := nixl-cu12==1.5.1 mooncake-transfer-engine-non-cuda==0.3.13.post1
+PEER_WHEELS ?=
+IBVERBS_DIR := .tools/ibverbs
+peers: $(VENV)/.stamp-deps
+	$(BIN)/pip install --disable-pip-version-check --no-deps \
+		$(if $(PEER_WHEELS),--find-links $(PEER_WHEELS)) $(PEER_PKGS)
+	@if ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 '; then exit 0; fi; \
+	if [ -n "$$(find $(IBVERBS_DIR) -name libibverbs.so.1 2>/dev/null)" ]; then exit 0; fi; \
+	echo "fetching libibverbs1 + libnl (Debian packages, unpacked into $(IBVERBS_DIR))"; \
+	tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && chmod 777 "$$tmp" && \
+	apt-get update -qq && \
+	(cd "$$tmp" && apt-get download -qq libibverbs1 libnl-3-200 libnl-route-3-200) && \
+	mkdir -p $(IBVERBS_DIR) && \
+	for deb in "$$tmp"/*.deb; do dpkg-deb -x "$$deb" $(IBVERBS_DIR) || exit 1; done
 
 bench: setup
 	$(BIN)/pdserve bench engine --model demo

@@ -8,8 +8,10 @@ a plain TCP socket from a child process into a preallocated buffer, and a one-th
 memcpy. Library ceilings, also from a child process into a preallocated buffer: bare
 gloo send/recv of the same pieces (`gloo-bare`) and a bare grpcio stream of the same
 messages (`grpc-bare`), with none of our code (no registry, no checksums), so each
-transport's own overhead reads as transport / ceiling. Each figure is the best of
-`--repeats` runs. See docs/kv_transfer.md.
+transport's own overhead reads as transport / ceiling. Optional peers, when installed
+(`make peers`): NIXL over UCX and the Mooncake transfer engine over TCP, each reading
+the sender child's registered CPU buffer (bench/transfer_peers.py). Each figure is the
+best of `--repeats` runs. See docs/kv_transfer.md.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import json
 import multiprocessing as mp
 import socket
 import time
+
+from bench.transfer_peers import PATHS, installed_peers, measure_peer, peer_problem
 
 MIB = 1 << 20
 DEFAULT_TRANSPORTS = "shm,collective,grpc"
@@ -44,6 +48,11 @@ def add_transfer_parser(kinds) -> None:
     )
     parser.add_argument(
         "--no-ceilings", action="store_true", help="skip the bare gloo / grpcio measurements"
+    )
+    parser.add_argument(
+        "--peers",
+        default="auto",
+        help="auto (whichever of nixl, mooncake is installed), none, or e.g. nixl,mooncake",
     )
     parser.add_argument("--json", default=None, help="also write results to this JSON file")
     parser.set_defaults(func=run_transfer_bench)
@@ -328,7 +337,8 @@ def run_transfer_bench(args: argparse.Namespace) -> int:
     transports = [t for t in args.transport.split(",") if t]
     chunk = parse_size(args.chunk)
     ceilings = [] if args.no_ceilings else _ceilings(transports)
-    per_size = 3 + len(ceilings) + len(transports)
+    peers = _peers(args.peers)
+    per_size = 3 + len(ceilings) + len(peers) + len(transports)
     bar = tqdm(total=len(sizes) * per_size, desc="bench transfer", unit="run")
     rows = {size: {} for size in sizes}
     for size in sizes:
@@ -339,7 +349,9 @@ def run_transfer_bench(args: argparse.Namespace) -> int:
             rows[size]["gloo-bare"] = measure_gloo_bare(size, min(chunk, size), args.repeats)
         if "grpc-bare" in ceilings:
             rows[size]["grpc-bare"] = measure_grpc_bare(size, args.repeats)
-        bar.update(3 + len(ceilings))
+        for peer in peers:
+            rows[size][peer] = measure_peer(peer, size, args.repeats)
+        bar.update(3 + len(ceilings) + len(peers))
     actual = {}
     for transport in transports:
         speeds, actual[transport] = measure_transport(
@@ -348,14 +360,14 @@ def run_transfer_bench(args: argparse.Namespace) -> int:
         for size, speed in speeds.items():
             rows[size][transport] = speed
     bar.close()
-    _print_table(rows, transports, ceilings, actual)
+    _print_table(rows, transports, ceilings, actual, peers)
     if "shm" in transports:
         import torch
 
         print(f"shm copy lanes: {args.copy_threads or torch.get_num_threads()}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(_as_json(rows, transports, actual, chunk), f, indent=2)
+            json.dump(_as_json(rows, transports, actual, chunk, peers), f, indent=2)
     return 0
 
 
@@ -367,15 +379,32 @@ def _ceilings(transports: list[str]) -> list[str]:
     return [_CEILING_OF[t] for t in transports if t in _CEILING_OF]
 
 
-def _print_table(rows: dict, transports: list[str], ceilings: list[str], actual: dict) -> None:
-    cols = ["memcpy", "checksum", "socket", *ceilings, *transports]
+def _peers(choice: str) -> list[str]:
+    """Called by run_transfer_bench: the optional peers to measure, printing one line
+    for each requested one that cannot run."""
+    if choice == "none":
+        return []
+    requested = installed_peers() if choice == "auto" else [p for p in choice.split(",") if p]
+    peers = []
+    for name in requested:
+        if (problem := peer_problem(name)) is None:
+            peers.append(name)
+        else:
+            print(f"peer {name} skipped: {problem}", flush=True)
+    return peers
+
+
+def _print_table(
+    rows: dict, transports: list[str], ceilings: list[str], actual: dict, peers: list[str]
+) -> None:
+    cols = ["memcpy", "checksum", "socket", *ceilings, *transports, *peers]
     print(f"{'size':>8} " + " ".join(f"{c:>11}" for c in cols) + "   (GB/s)")
     for size, row in rows.items():
         cells = " ".join(f"{row[c] / 1e9:>11.2f}" for c in cols)
         print(f"{size // MIB:>5}MiB {cells}")
-    print("\nratios: " + ", ".join(_ratio_names(transports)))
+    print("\nratios: " + ", ".join(_ratio_names([*transports, *peers])))
     for size, row in rows.items():
-        ratios = " ".join(f"{row[t] / row[_baseline(t)]:>11.2f}" for t in transports)
+        ratios = " ".join(f"{row[t] / row[_baseline(t)]:>11.2f}" for t in [*transports, *peers])
         print(f"{size // MIB:>5}MiB {ratios}")
     against = [t for t in transports if _CEILING_OF.get(t) in ceilings]
     if against:
@@ -384,6 +413,8 @@ def _print_table(rows: dict, transports: list[str], ceilings: list[str], actual:
             ratios = " ".join(f"{row[t] / row[_CEILING_OF[t]]:>11.2f}" for t in against)
             print(f"{size // MIB:>5}MiB {ratios}")
     print("transport that moved the bytes: " + ", ".join(f"{t}={actual[t]}" for t in transports))
+    if peers:
+        print("peers: " + "; ".join(f"{p}={PATHS[p]}" for p in peers))
 
 
 def _baseline(transport: str) -> str:
@@ -394,19 +425,20 @@ def _ratio_names(transports: list[str]) -> list[str]:
     return [f"{t}/{_baseline(t)}" for t in transports]
 
 
-def _as_json(rows: dict, transports: list[str], actual: dict, chunk: int) -> dict:
+def _as_json(rows: dict, transports: list[str], actual: dict, chunk: int, peers: list[str]) -> dict:
     import os
 
     return {
         "machine": {"cpu": _cpu_model(), "cores": os.cpu_count()},
         "chunk_bytes": chunk,
         "transports_used": actual,
+        "peers": {p: PATHS[p] for p in peers},
         "results": [
             {"size_bytes": size, **{k: v / 1e9 for k, v in row.items()}}
             for size, row in rows.items()
         ],
         "units": "GB/s (1e9 bytes/s)",
-        "ratio_baselines": {t: _baseline(t) for t in transports},
+        "ratio_baselines": {t: _baseline(t) for t in [*transports, *peers]},
     }
 
 
