@@ -30,6 +30,7 @@ def run_point(args, bandwidth: float | None, model_id: str) -> dict:
     options = {} if bandwidth is None else {"bandwidth_bytes_per_s": bandwidth}
     config = {
         "model": args.model,
+        "dtype": args.dtype,
         "transport": args.transport,
         "transport_options": options,
         "first_token_from": args.first_token_from,
@@ -98,7 +99,10 @@ def plot_sweep(results: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    capped = [r for r in results if r["bandwidth_mb_s"] is not None]
+    capped = sorted(
+        (r for r in results if r["bandwidth_mb_s"] is not None), key=lambda r: r["bandwidth_mb_s"]
+    )
+    uncapped = [r for r in results if r["bandwidth_mb_s"] is None]
     xs = [r["bandwidth_mb_s"] for r in capped]
     fig, ax = plt.subplots(figsize=(7, 4))
     for key, label in (
@@ -106,7 +110,10 @@ def plot_sweep(results: list[dict], path: str) -> None:
         ("itl_p50_s", "ITL p50"),
         ("kv_transfer_mean_s", "KV transfer"),
     ):
-        ax.plot(xs, [1000 * (r[key] or 0) for r in capped], marker="o", label=label)
+        line = ax.plot(xs, [1000 * (r[key] or 0) for r in capped], marker="o", label=label)[0]
+        if uncapped and key == "ttft_p50_s":  # a log axis has no place for "no cap"
+            level = 1000 * sum(r[key] or 0 for r in uncapped) / len(uncapped)
+            ax.axhline(level, color=line.get_color(), linestyle="--", label=f"{label}, uncapped")
     ax.set_xscale("log")
     ax.set_xlabel("KV link bandwidth cap (MB/s)")
     ax.set_ylabel("ms")
@@ -125,6 +132,9 @@ def add_bandwidth_parser(kinds) -> None:
         formatter_class=__import__("argparse").RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model", default="demo")
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="served dtype"
+    )
     parser.add_argument("--transport", default="shm", choices=["shm", "collective", "grpc"])
     parser.add_argument(
         "--mbps", default="none,1000,100,30,10", help="caps in MB/s; 'none' = uncapped"
