@@ -105,15 +105,20 @@ class RequestFlow:
     ) -> AsyncIterator[GenerationChunk]:
         timeline.num_prompt_tokens = len(prompt_ids)
         progress = _Progress()
-        if self.config.mode == "disaggregated":
-            async for chunk in self._prefill_phase(
+        try:
+            if self.config.mode == "disaggregated":
+                async for chunk in self._prefill_phase(
+                    request_id, prompt_ids, params, timeline, progress
+                ):
+                    yield self._stamp(chunk, timeline, len(prompt_ids))
+                if progress.finished_at_prefill:
+                    return
+            async for chunk in self._decode_phase(
                 request_id, prompt_ids, params, timeline, progress
             ):
                 yield self._stamp(chunk, timeline, len(prompt_ids))
-            if progress.finished_at_prefill:
-                return
-        async for chunk in self._decode_phase(request_id, prompt_ids, params, timeline, progress):
-            yield self._stamp(chunk, timeline, len(prompt_ids))
+        finally:
+            self._drop_decode_pick(progress)  # picked with the prefill, never streamed from
 
     @staticmethod
     def _stamp(
@@ -161,7 +166,10 @@ class RequestFlow:
                 prefill = self.router.pick("prefill", request_id)
             except NoLiveWorkerError:
                 return None
+            self._drop_decode_pick(progress)  # a retry picks both again
             progress.decode = self._pick_now("decode", request_id)
+            if progress.decode is not None:
+                _claim(progress.decode)
             peer_id = progress.decode.worker_id if progress.decode else ""
             try:
                 result = await self._prefill(
@@ -174,6 +182,12 @@ class RequestFlow:
             timeline.prefill_worker = prefill.worker_id
             return result
 
+    @staticmethod
+    def _drop_decode_pick(progress: _Progress) -> None:
+        if progress.decode is not None:
+            _unclaim(progress.decode)
+            progress.decode = None
+
     def _pick_now(self, role: str, request_id: str) -> WorkerInfo | None:
         try:
             return self.router.pick(role, request_id)
@@ -183,11 +197,11 @@ class RequestFlow:
     async def _prefill(
         self, prefill: WorkerInfo, request_id, prompt_ids, params, peer_id, timeline
     ) -> dict:
-        prefill.in_flight += 1
+        _claim(prefill)
         try:
             result = await prefill.handle.prefill.remote(request_id, prompt_ids, params, peer_id)
         finally:
-            prefill.in_flight -= 1
+            _unclaim(prefill)
         timeline.prefill_queue_start = result["queued_at"]
         timeline.prefill_queue_end = result["scheduled_at"]
         timeline.prefill_end = result["prefill_done_at"]
@@ -199,11 +213,15 @@ class RequestFlow:
         role = "colocated" if self.config.mode == "colocated" else "decode"
         try:
             while True:
+                # The decode worker chosen with the prefill (the ticket names it) goes first,
+                # with the claim taken at that pick; picking again would also advance
+                # round_robin twice per request.
                 worker = progress.decode if progress.decode and progress.decode.alive else None
-                # The decode worker chosen with the prefill (the ticket names it) goes first;
-                # picking again would also advance round_robin twice per request.
-                progress.decode = None
-                worker = worker or await self._pick_waiting(role, request_id)
+                if worker is None:
+                    self._drop_decode_pick(progress)
+                    worker = await self._pick_waiting(role, request_id)
+                    _claim(worker)
+                progress.decode = None  # the stream below releases the claim
                 timeline.decode_worker = worker.worker_id
                 try:
                     async for chunk in self._decode_on(
@@ -281,8 +299,8 @@ class RequestFlow:
     async def _decode_stream(
         self, worker: WorkerInfo, request_id, prompt_ids, params, progress: _Progress
     ):
-        """One decode worker's stream, resuming from what `progress` has decided so far."""
-        worker.in_flight += 1
+        """One decode worker's stream, resuming from what `progress` has decided so far.
+        The caller has claimed `worker`; the stream releases the claim when it ends."""
         finished = False
         try:
             stream = worker.handle.generate.options(num_returns="streaming").remote(
@@ -298,7 +316,7 @@ class RequestFlow:
                 finished = item.get("finished", False)
                 yield item
         finally:
-            worker.in_flight -= 1
+            _unclaim(worker)
             if not finished and worker.alive:
                 worker.handle.abort.remote(request_id)
 
@@ -312,3 +330,14 @@ def _token_chunk(request_id: str, item: dict) -> GenerationChunk:
         finish_reason=item["finish_reason"],
         num_output_tokens=item["num_output_tokens"],
     )
+
+
+def _claim(worker: WorkerInfo) -> None:
+    """Count a request against `worker` from the moment it is picked, so that a burst of
+    requests routed before any health report arrives spreads over the pool."""
+    worker.in_flight += 1
+
+
+def _unclaim(worker: WorkerInfo) -> None:
+    # Never below zero: a restart resets the count while old requests still unwind.
+    worker.in_flight = max(0, worker.in_flight - 1)

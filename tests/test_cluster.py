@@ -97,3 +97,27 @@ def test_workers_use_the_configured_thread_count_and_report_timings(tiny_llama_d
     assert timings["prefill_worker"] == "prefill-0" and timings["decode_worker"] == "decode-0"
     for phase in ("prefill_queue_s", "prefill_s", "kv_transfer_s", "ttft_s", "decode_s", "e2e_s"):
         assert timings[phase] is not None and timings[phase] >= 0, phase
+
+
+@pytest.mark.parametrize("policy", ["least_loaded", "round_robin"])
+def test_a_burst_spreads_over_both_decode_workers(tiny_llama_dir, reference, policy):
+    """Requests routed before any health report still spread: a decode worker counts a
+    request from the moment it is picked (with the prefill), not when decode starts."""
+    prompts, expected = reference
+    config = tiny_cluster_config(
+        tiny_llama_dir, transport="shm", decode_workers=2, router_policy=policy
+    )
+
+    async def scenario(cluster):
+        from tests.cluster_helpers import collect
+
+        results = await asyncio.gather(*(collect(cluster, p) for p in prompts[:8]))
+        await assert_cluster_leak_free(cluster)
+        idle = [w.in_flight for w in cluster.controller.workers.values()]
+        return results, idle
+
+    results, idle = run_cluster(config, scenario)
+    used = [timings.timings["decode_worker"] for _, timings in results]
+    assert sorted(used) == ["decode-0"] * 4 + ["decode-1"] * 4
+    assert [tokens for tokens, _ in results] == expected[:8]
+    assert idle == [0] * len(idle)  # every claim released
