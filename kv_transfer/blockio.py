@@ -103,8 +103,9 @@ def copy_pieces_parallel(
 ) -> None:
     """`copy_pieces` for CPU pools with up to `lanes` pieces copied at once by `executor`.
 
-    `step(piece)` still runs in order on the calling thread; `verify_piece(piece)` runs
-    on the copying thread right after its copy, while the piece is in that core's cache.
+    `step(piece)` still runs in order on the calling thread; `verify_piece(offset,
+    nbytes)` runs on the copying thread right after the piece's copy, while it is in
+    that core's cache.
     Returns (or raises) only once no copy is running, so a caller that frees the
     destination blocks on failure never races a copy into them.
     """
@@ -115,7 +116,7 @@ def copy_pieces_parallel(
         dst[:] = src_all[piece.src : piece.src + piece.nbytes]  # numpy releases the GIL
         if corrupt:
             dst[0] = 255 - int(dst[0])
-        verify_piece(piece)
+        verify_piece(piece.offset, piece.nbytes)
 
     in_flight: deque = deque()
     try:

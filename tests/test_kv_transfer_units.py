@@ -113,10 +113,10 @@ def test_parallel_copy_is_exact_and_drains_before_a_failure_returns(failing_piec
             raise TimeoutError("deadline")
         return False
 
-    def verify(piece):
+    def verify(offset, nbytes):
         running.append(1)
         time.sleep(0.01)  # a slow copy still in flight when the step fails
-        verified.append(piece.offset)
+        verified.append(offset)
         running.pop()
 
     with ThreadPoolExecutor(2) as pool:
@@ -258,4 +258,31 @@ def test_allocator_free_matches_sender_release():
     for released in sender.poll_released():
         allocator.free(released)
     allocator.assert_all_free()
+    sender.close()
+
+
+@pytest.mark.parametrize("mode", ["none", "corrupt"])
+def test_shm_copy_lanes_move_exact_bytes_and_catch_a_corrupt_piece(tmp_path, mode):
+    """shm on two copy lanes, many pieces: exact bytes, or CHECKSUM for a corrupted one."""
+    block = LAYOUT.block_nbytes
+    faults = FaultOptions(mode=mode, after_fraction=0.5)
+    options = replace(
+        OPTIONS, chunk_bytes=2 * block, copy_threads=2, shm_dir=str(tmp_path), faults=faults
+    )
+    src_pool = random_pool(seed=7)
+    sender = make_sender("shm", "prefill-0", src_pool, options)
+    ticket = sender.export("r", list(range(1, 17)), 128, "decode-0")
+    dst_pool = random_pool(seed=8)
+    receiver = make_receiver("shm", "decode-0", dst_pool, options)
+    assert receiver.copy_lanes == 2
+    dst = [40 - i for i in range(16)]  # reversed ids: every piece is one block
+
+    result = receiver.fetch(ticket, dst, timeout_s=5)
+
+    if mode == "none":
+        assert result.ok, result.message
+        assert torch.equal(dst_pool.kv[dst], src_pool.kv[1:17])
+    else:
+        assert result.reason == FailureReason.CHECKSUM
+    receiver.close()
     sender.close()

@@ -322,11 +322,13 @@ class ShmReceiver(TransportReceiver):
 
         shaper.start()
         dst = flat_bytes(self.pool.kv)
-        if self._copier is None or shaper.active:  # a paced link gains nothing from lanes
+        # A paced link gains nothing from lanes; one piece is not worth a thread handoff.
+        if self._copier is None or shaper.active or len(pieces) < 2:
             copy_pieces(src, dst, pieces, step, verifier.landed)
         else:
-            verify = lambda piece: verifier.verify_piece(piece.offset, piece.nbytes)  # noqa: E731
-            copy_pieces_parallel(src, dst, pieces, step, verify, self._copier, self.copy_lanes)
+            copy_pieces_parallel(
+                src, dst, pieces, step, verifier.verify_piece, self._copier, self.copy_lanes
+            )
         shaper.finish()
         return total_bytes(pieces)
 
