@@ -118,15 +118,16 @@ def _socket_sender_main(port: int, size: int, repeats: int) -> None:
 
 
 def _gloo_pair(rank: int, port: int):
+    """The collective transport's own two-rank gloo group, without the transport."""
     from datetime import timedelta
 
+    import torch
     import torch.distributed as dist
 
+    from kv_transfer.transports.collective import make_pair_group
+
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timedelta(seconds=60))
-    options = dist.ProcessGroupGloo._Options()
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    options._timeout = timedelta(seconds=60)
-    return dist.ProcessGroupGloo(store, rank, 2, options)
+    return make_pair_group(store, "bench", rank, "127.0.0.1", torch.device("cpu"), 60)
 
 
 def _gloo_sender_main(port: int, size: int, piece: int, repeats: int) -> None:
@@ -141,7 +142,7 @@ def _gloo_sender_main(port: int, size: int, piece: int, repeats: int) -> None:
             work.wait()
 
 
-def _grpc_sender_main(conn, size: int, message: int) -> None:
+def _grpc_sender_main(conn, size: int, message: int, options: list) -> None:
     from concurrent import futures
 
     import grpc
@@ -157,19 +158,12 @@ def _grpc_sender_main(conn, size: int, message: int) -> None:
         "bench.Bare",
         {"Stream": grpc.unary_stream_rpc_method_handler(stream, lambda b: b, lambda b: b)},
     )
-    server = grpc.server(futures.ThreadPoolExecutor(4), options=_grpc_options())
+    server = grpc.server(futures.ThreadPoolExecutor(4), options=options)
     server.add_generic_rpc_handlers((handler,))
     conn.send(server.add_insecure_port("127.0.0.1:0"))
     server.start()
     conn.recv()  # stop
     server.stop(None)
-
-
-def _grpc_options() -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_send_message_length", 64 * MIB),
-        ("grpc.max_receive_message_length", 64 * MIB),
-    ]
 
 
 # --- measurements --------------------------------------------------------------------
@@ -217,7 +211,9 @@ def measure_gloo_bare(size: int, piece: int, repeats: int) -> float:
     """Bare gloo pair, same pieces as the collective transport, all sends in flight."""
     import torch
 
-    port = _free_port()
+    from bench.server_process import free_port
+
+    port = free_port()
     ctx = mp.get_context("spawn")
     child = ctx.Process(target=_gloo_sender_main, args=(port, size, piece, repeats))
     child.start()
@@ -235,21 +231,23 @@ def measure_gloo_bare(size: int, piece: int, repeats: int) -> float:
     return size / best
 
 
-def measure_grpc_bare(size: int, repeats: int) -> float:
-    """Bare grpcio server stream of `bytes` messages, the grpc transport's message size."""
+def measure_grpc_bare(size: int, chunk: int, repeats: int) -> float:
+    """Bare grpcio server stream of `bytes` messages: the grpc transport's message size
+    and channel options, none of its code."""
     import grpc
     import numpy as np
 
-    from kv_transfer.transports.grpc import MESSAGE_BYTES
+    from kv_transfer.transports.grpc import MESSAGE_BYTES, _channel_options
 
+    options = _channel_options(_options(chunk))
     ctx = mp.get_context("spawn")
     parent, child_conn = ctx.Pipe()
-    child = ctx.Process(target=_grpc_sender_main, args=(child_conn, size, MESSAGE_BYTES))
+    child = ctx.Process(target=_grpc_sender_main, args=(child_conn, size, MESSAGE_BYTES, options))
     child.start()
     port = parent.recv()
     buf = np.empty(size, dtype=np.uint8)
     best = float("inf")
-    with grpc.insecure_channel(f"127.0.0.1:{port}", options=_grpc_options()) as channel:
+    with grpc.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
         call = channel.unary_stream("/bench.Bare/Stream", lambda b: b, lambda b: b)
         for rep in range(repeats + 1):  # the first call connects
             start = time.perf_counter()
@@ -262,12 +260,6 @@ def measure_grpc_bare(size: int, repeats: int) -> float:
     parent.send("stop")
     child.join()
     return size / best
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def measure_checksum(size: int, repeats: int) -> float:
@@ -348,7 +340,7 @@ def run_transfer_bench(args: argparse.Namespace) -> int:
         if "gloo-bare" in ceilings:
             rows[size]["gloo-bare"] = measure_gloo_bare(size, min(chunk, size), args.repeats)
         if "grpc-bare" in ceilings:
-            rows[size]["grpc-bare"] = measure_grpc_bare(size, args.repeats)
+            rows[size]["grpc-bare"] = measure_grpc_bare(size, chunk, args.repeats)
         for peer in peers:
             rows[size][peer] = measure_peer(peer, size, args.repeats)
         bar.update(3 + len(ceilings) + len(peers))
@@ -362,9 +354,9 @@ def run_transfer_bench(args: argparse.Namespace) -> int:
     bar.close()
     _print_table(rows, transports, ceilings, actual, peers)
     if "shm" in transports:
-        import torch
+        from kv_transfer.transports.shm import copy_lanes
 
-        print(f"shm copy lanes: {args.copy_threads or torch.get_num_threads()}")
+        print(f"shm copy lanes: {copy_lanes(_options(chunk, args.copy_threads))}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(_as_json(rows, transports, actual, chunk, peers), f, indent=2)

@@ -81,6 +81,11 @@ def remove_stale_files(shm_dir: str) -> None:
             _unlink_quietly(path)
 
 
+def copy_lanes(options: TransportOptions) -> int:
+    """Threads a receiver copies with: `copy_threads`, or this process's torch threads."""
+    return options.copy_threads or torch.get_num_threads()
+
+
 def _unlink_quietly(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
@@ -170,7 +175,7 @@ class ShmReceiver(TransportReceiver):
         self._maps: dict[str, tuple[mmap.mmap, torch.Tensor]] = {}
         self._idle: dict[tuple[str, int], list[ControlConnection]] = {}
         self._idle_lock = threading.Lock()
-        self.copy_lanes = options.copy_threads or torch.get_num_threads()
+        self.copy_lanes = copy_lanes(options)
         self._copier = (
             ThreadPoolExecutor(self.copy_lanes, thread_name_prefix="kv-shm-copy")
             if self.copy_lanes > 1
