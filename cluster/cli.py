@@ -2,7 +2,9 @@
 
 pdserve generate   one generation in this process (no Ray), streamed to stdout
 pdserve model      prepare the demo model cache
-pdserve bench      benchmarks (engine, ...)
+pdserve bench      benchmarks (engine, serve, sweep, compare, ...)
+pdserve kv-calc    KV cache capacity next to the weights
+pdserve roofline   arithmetic intensity and lower-bound step time of prefill/decode
 """
 
 from __future__ import annotations
@@ -114,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
     from bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+    from bench.kv_calc import add_kv_calc_parser
+    from bench.roofline import add_roofline_parser
+
+    add_kv_calc_parser(sub)
+    add_roofline_parser(sub)
     return parser
 
 

@@ -1,0 +1,179 @@
+"""Hardware profiles for the roofline: peak dense FLOP/s per dtype and memory bandwidth.
+
+Accelerators come from a small built-in table (vendor datasheet figures, cited per
+entry). The `cpu` profile is measured on the spot, in this process: read bandwidth
+(a sum over a tensor far larger than the caches) and square-matmul FLOP/s per dtype
+with torch's threads. Measured figures are what this machine reaches through torch,
+which is the ceiling our engine can hope for here, not a vendor peak.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+import time
+from dataclasses import dataclass, field
+
+TFLOPS = 1e12
+TB_S = 1e12
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """What one device can do at best; `peak_flops` maps a dtype name to dense FLOP/s."""
+
+    name: str
+    peak_flops: dict[str, float]
+    memory_bandwidth: float
+    """Bytes per second read from device memory (HBM, GDDR, or DRAM for `cpu`)."""
+    memory_bytes: int
+    source: str
+    measured: bool = False
+    details: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.memory_bandwidth <= 0 or not self.peak_flops:
+            raise ValueError(f"{self.name}: needs a bandwidth and at least one FLOP/s figure")
+
+    def flops(self, dtype: str) -> float:
+        if dtype not in self.peak_flops:
+            raise ValueError(
+                f"{self.name} has no {dtype} FLOP/s figure; known: {sorted(self.peak_flops)}"
+            )
+        return self.peak_flops[dtype]
+
+    def ridge(self, dtype: str) -> float:
+        """FLOPs per byte at which compute and memory take equally long."""
+        return self.flops(dtype) / self.memory_bandwidth
+
+
+# Dense (no structured sparsity) tensor-core figures; datasheets quote "with sparsity"
+# figures at twice these. float32 is the plain CUDA-core FP32 rate (torch does not use
+# TF32 for matmuls unless asked).
+ACCELERATORS: dict[str, HardwareProfile] = {
+    "h100": HardwareProfile(
+        name="h100",
+        peak_flops={
+            "float32": 67 * TFLOPS,
+            "bfloat16": 989.4 * TFLOPS,
+            "float16": 989.4 * TFLOPS,
+            "fp8": 1978.9 * TFLOPS,
+        },
+        memory_bandwidth=3.35 * TB_S,
+        memory_bytes=80 * 10**9,
+        source="NVIDIA H100 Tensor Core GPU datasheet, H100 SXM5 80GB column",
+    ),
+    "h200": HardwareProfile(
+        name="h200",
+        peak_flops={
+            "float32": 67 * TFLOPS,
+            "bfloat16": 989.4 * TFLOPS,
+            "float16": 989.4 * TFLOPS,
+            "fp8": 1978.9 * TFLOPS,
+        },
+        memory_bandwidth=4.8 * TB_S,
+        memory_bytes=141 * 10**9,
+        source="NVIDIA H200 Tensor Core GPU datasheet, H200 SXM 141GB column",
+    ),
+    "a100": HardwareProfile(
+        name="a100",
+        peak_flops={"float32": 19.5 * TFLOPS, "bfloat16": 312 * TFLOPS, "float16": 312 * TFLOPS},
+        memory_bandwidth=2.039 * TB_S,
+        memory_bytes=80 * 10**9,
+        source="NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM column",
+    ),
+    "l40s": HardwareProfile(
+        name="l40s",
+        peak_flops={
+            "float32": 91.6 * TFLOPS,
+            "bfloat16": 362.05 * TFLOPS,
+            "float16": 362.05 * TFLOPS,
+            "fp8": 733 * TFLOPS,
+        },
+        memory_bandwidth=0.864 * TB_S,
+        memory_bytes=48 * 10**9,
+        source="NVIDIA L40S GPU datasheet",
+    ),
+}
+HARDWARE_NAMES = (*ACCELERATORS, "cpu")
+
+
+def hardware_profile(
+    name: str, dtypes: tuple[str, ...] = ("float32",), threads: int | None = None
+) -> HardwareProfile:
+    """A named accelerator from the table, or `cpu` measured now for `dtypes` (~1-3 s).
+
+    Called by `pdserve roofline` and by `pdserve bench engine`, which puts its step times
+    next to the roofline of the same process's CPU.
+    """
+    if name in ACCELERATORS:
+        return ACCELERATORS[name]
+    if name != "cpu":
+        raise ValueError(f"unknown hardware {name!r}; choose from {', '.join(HARDWARE_NAMES)}")
+    return measure_cpu(tuple(sorted(set(dtypes))), threads)
+
+
+@functools.cache
+def measure_cpu(dtypes: tuple[str, ...], threads: int | None = None) -> HardwareProfile:
+    import psutil
+    import torch
+
+    previous = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        bandwidth = read_bandwidth()
+        flops = {dtype: matmul_flops(getattr(torch, dtype)) for dtype in dtypes}
+        used_threads = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(previous)
+    return HardwareProfile(
+        name="cpu",
+        peak_flops=flops,
+        memory_bandwidth=bandwidth,
+        memory_bytes=psutil.virtual_memory().total,
+        source=f"measured now: {cpu_model()}, {used_threads} torch threads",
+        measured=True,
+        details={"cpu_model": cpu_model(), "threads": used_threads},
+    )
+
+
+def read_bandwidth(num_bytes: int = 512 << 20, repeats: int = 5) -> float:
+    """Bytes/s of a read-only pass (sum) over a tensor much larger than the last-level cache."""
+    import torch
+
+    data = torch.ones(num_bytes // 4, dtype=torch.float32)
+    data.sum()
+    return num_bytes / _best_time(data.sum, repeats)
+
+
+def matmul_flops(dtype, n: int = 1536, repeats: int = 3) -> float:
+    """FLOP/s of an n x n x n matmul in `dtype` (2 n^3 FLOPs), best of `repeats`."""
+    import torch
+
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
+    torch.mm(a, b)
+    return 2 * n**3 / _best_time(lambda: torch.mm(a, b), repeats)
+
+
+def _best_time(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (what every recorded figure names)."""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
