@@ -1,74 +1,98 @@
 """`pdserve bench bandwidth`: how the KV link's bandwidth changes TTFT and ITL.
 
-For each bandwidth cap, a fresh `pdserve serve` starts with the KV transport shaped
-to that cap (kv_transfer/shaping.py), the same closed-loop load runs against it
-(warm-up excluded), and client-observed TTFT / ITL / TPOT are recorded. The first
-token comes from the decode worker in this experiment (`first_token_from: decode`)
-so that TTFT includes the transfer, as it does when the first token needs the KV
-on the decode side; `--first-token-from prefill` shows the default behaviour.
-Writes a table, optional JSON, and a PNG plot.
+For each first-token mode and each bandwidth cap, a fresh `pdserve serve` starts
+with the KV transport shaped to that cap (kv_transfer/shaping.py) and the same
+`bench serve` workload runs against it (closed loop, warm-up excluded). With
+`first_token_from: decode` the first token needs the KV on the decode side, so TTFT
+includes the transfer; with `prefill` (pdserve's default) the prefill worker streams
+the first token and the transfer overlaps it. Both modes run by default, so one
+sweep shows what the default hides. Next to each measured transfer time it puts the
+expected one, KV bytes per request (from `pdserve_timings`) / cap. Writes a table,
+optional JSON, and a PNG plot.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
 import tempfile
-import time
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
 from tqdm import tqdm
 
-from bench.loadgen import LoadSpec, run_load, summarize
-from bench.serve_bench import random_prompts
+from bench.arrivals import ArrivalSpec
+from bench.prompt_text import PromptMaker
+from bench.report import ms
+from bench.runner import RunSpec, run_once
+from bench.serve_bench import add_workload_args, workload_from_args
 from bench.server_process import ServerProcess
 
+MODES = ("decode", "prefill")
 
-def run_point(args, bandwidth: float | None, model_id: str) -> dict:
+
+def run_point(args, bandwidth: float | None, mode: str, spec: RunSpec) -> dict:
     options = {} if bandwidth is None else {"bandwidth_bytes_per_s": bandwidth}
     config = {
         "model": args.model,
         "dtype": args.dtype,
         "transport": args.transport,
         "transport_options": options,
-        "first_token_from": args.first_token_from,
+        "first_token_from": mode,
     }
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as handle:
         yaml.safe_dump(config, handle)
     server = ServerProcess(["--config", handle.name], startup_timeout_s=300)
     try:
-        prompts = random_prompts(args.num_prompts, args.prompt_len, args.vocab)
-        spec = LoadSpec(
-            url=server.url,
-            model=model_id,
-            prompts=prompts,
-            max_tokens=args.output_len,
-            concurrency=args.concurrency,
-        )
-        asyncio.run(run_load(LoadSpec(**{**spec.__dict__, "prompts": prompts[:2]})))
-        start = time.perf_counter()
-        records = asyncio.run(run_load(spec))
-        summary = summarize(records, time.perf_counter() - start)
-        kv_s = [r.server_timings.get("kv_transfer_s") or 0.0 for r in records if r.ok]
-        summary["kv_transfer_mean_s"] = sum(kv_s) / len(kv_s) if kv_s else None
-        return summary
+        result = asyncio.run(run_once(replace(spec, url=server.url), args.maker))
     finally:
         server.stop()
         os.unlink(handle.name)
+    return point_summary(result.summary, result.records, bandwidth, mode)
+
+
+def point_summary(summary: dict, records, bandwidth: float | None, mode: str) -> dict:
+    done = [r for r in records if r.ok and r.server_timings]
+    kv_s = [r.server_timings.get("kv_transfer_s") or 0.0 for r in done]
+    kv_bytes = [r.server_timings.get("kv_bytes") or 0 for r in done]
+    mean_bytes = sum(kv_bytes) / len(kv_bytes) if kv_bytes else None
+    return {
+        **summary,
+        "first_token_from": mode,
+        "bandwidth_mb_s": None if bandwidth is None else bandwidth / 1e6,
+        "kv_transfer_mean_s": sum(kv_s) / len(kv_s) if kv_s else None,
+        "kv_bytes_mean": mean_bytes,
+        "kv_expected_s": None
+        if bandwidth is None or mean_bytes is None
+        else mean_bytes / bandwidth,
+    }
 
 
 def run_sweep(args) -> int:
     from engine.demo_model import resolve_model
 
-    _, model_id = resolve_model(args.model)
+    directory, model_id = resolve_model(args.model)
+    args.maker = PromptMaker.from_arg(str(directory))
     caps = [None if c in ("none", "inf") else float(c) * 1e6 for c in args.mbps.split(",")]
+    modes = [m.strip() for m in args.first_token_from.split(",")]
+    if any(m not in MODES for m in modes):
+        raise SystemExit(f"--first-token-from takes {', '.join(MODES)} (comma list)")
+    spec = RunSpec(
+        url="",
+        model=model_id,
+        workload=workload_from_args(args),
+        arrival=ArrivalSpec(concurrency=args.concurrency),
+        num_prompts=args.num_prompts,
+        warmup=args.warmup,
+        progress=False,
+        seed=args.seed,
+    )
     results = []
-    for cap in tqdm(caps, desc="bandwidth caps"):
-        point = run_point(args, cap, model_id)
-        point["bandwidth_mb_s"] = None if cap is None else cap / 1e6
-        results.append(point)
+    for mode, cap in tqdm([(m, c) for m in modes for c in caps], desc="servers (mode, cap)"):
+        results.append(run_point(args, cap, mode, spec))
     print(format_sweep(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
@@ -78,50 +102,74 @@ def run_sweep(args) -> int:
 
 
 def format_sweep(results: list[dict]) -> str:
-    def ms(value):
-        return "-" if value is None else f"{value * 1000:.0f}"
-
     lines = [
-        f"{'MB/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'TPOT':>7} {'KV xfer':>8} {'tok/s':>7}  (ms)"
+        f"{'1st token':<10}{'MB/s':>9}{'TTFT p50':>9}{'TTFT p99':>9}{'ITL p50':>8}{'TPOT':>7}"
+        f"{'KV xfer':>8}{'expected':>9}{'tok/s':>7}  (ms)"
     ]
     for r in results:
         cap = "uncapped" if r["bandwidth_mb_s"] is None else f"{r['bandwidth_mb_s']:.0f}"
         lines.append(
-            f"{cap:>8} {ms(r['ttft_p50_s']):>9} {ms(r['ttft_p99_s']):>9} {ms(r['itl_p50_s']):>8} "
-            f"{ms(r['tpot_mean_s']):>7} {ms(r['kv_transfer_mean_s']):>8} {r['output_tok_s']:>7.1f}"
+            f"{r.get('first_token_from', '-'):<10}{cap:>9}{ms(r['ttft_p50_s']):>9}"
+            f"{ms(r['ttft_p99_s']):>9}{ms(r['itl_p50_s']):>8}{ms(r['tpot_mean_s']):>7}"
+            f"{ms(r['kv_transfer_mean_s']):>8}{ms(r.get('kv_expected_s')):>9}"
+            f"{r['output_throughput']:>7.1f}"
         )
     return "\n".join(lines)
 
 
 def plot_sweep(results: list[dict], path: str) -> None:
+    """TTFT per first-token mode, ITL, and measured vs expected transfer time, per cap."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    capped = sorted(
-        (r for r in results if r["bandwidth_mb_s"] is not None), key=lambda r: r["bandwidth_mb_s"]
-    )
-    uncapped = [r for r in results if r["bandwidth_mb_s"] is None]
-    xs = [r["bandwidth_mb_s"] for r in capped]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for key, label in (
-        ("ttft_p50_s", "TTFT p50"),
-        ("itl_p50_s", "ITL p50"),
-        ("kv_transfer_mean_s", "KV transfer"),
-    ):
-        line = ax.plot(xs, [1000 * (r[key] or 0) for r in capped], marker="o", label=label)[0]
-        if uncapped and key == "ttft_p50_s":  # a log axis has no place for "no cap"
-            level = 1000 * sum(r[key] or 0 for r in uncapped) / len(uncapped)
-            ax.axhline(level, color=line.get_color(), linestyle="--", label=f"{label}, uncapped")
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    modes = sorted({r.get("first_token_from", "decode") for r in results})
+    for mode in modes:
+        rows = [r for r in results if r.get("first_token_from", "decode") == mode]
+        _plot_mode(ax, rows, mode, first=mode == modes[0])
     ax.set_xscale("log")
+    ax.set_yscale("symlog", linthresh=10)
     ax.set_xlabel("KV link bandwidth cap (MB/s)")
     ax.set_ylabel("ms")
-    ax.set_title("KV transfer bandwidth vs client-observed latency")
+    ax.set_title("KV link bandwidth vs client-observed latency")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _plot_mode(ax, rows: list[dict], mode: str, first: bool) -> None:
+    capped = sorted((r for r in rows if r["bandwidth_mb_s"] is not None), key=_cap)
+    uncapped = [r for r in rows if r["bandwidth_mb_s"] is None]
+    xs = [r["bandwidth_mb_s"] for r in capped]
+    line = ax.plot(xs, _ms(capped, "ttft_p50_s"), marker="o", label=f"TTFT p50 (1st from {mode})")
+    if uncapped:  # a log axis has no place for "no cap": a level line instead
+        level = sum(r["ttft_p50_s"] or 0 for r in uncapped) / len(uncapped) * 1000
+        ax.axhline(
+            level, color=line[0].get_color(), linestyle=":", label=f"TTFT, uncapped ({mode})"
+        )
+    if not first:
+        return  # ITL and the transfer do not depend on the first-token mode: draw once
+    ax.plot(xs, _ms(capped, "itl_p50_s"), marker="s", label="ITL p50")
+    measured = ax.plot(xs, _ms(capped, "kv_transfer_mean_s"), marker="^", label="KV transfer")
+    ax.plot(
+        xs,
+        _ms(capped, "kv_expected_s"),
+        linestyle="--",
+        color=measured[0].get_color(),
+        label="KV transfer expected (bytes / cap)",
+    )
+
+
+def _cap(row: dict) -> float:
+    return row["bandwidth_mb_s"]
+
+
+def _ms(rows: list[dict], key: str) -> list[float]:
+    return [1000 * (r.get(key) or 0) for r in rows]
 
 
 def add_bandwidth_parser(kinds) -> None:
@@ -129,9 +177,9 @@ def add_bandwidth_parser(kinds) -> None:
         "bandwidth",
         help="TTFT and ITL as the KV link bandwidth cap changes (starts one server per cap)",
         description=__doc__,
-        formatter_class=__import__("argparse").RawDescriptionHelpFormatter,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--model", default="demo")
+    parser.add_argument("--model", default="demo", help="served model (also the tokenizer)")
     parser.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="served dtype"
     )
@@ -139,12 +187,16 @@ def add_bandwidth_parser(kinds) -> None:
     parser.add_argument(
         "--mbps", default="none,1000,100,30,10", help="caps in MB/s; 'none' = uncapped"
     )
-    parser.add_argument("--first-token-from", default="decode", choices=["decode", "prefill"])
-    parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--num-prompts", type=int, default=16)
-    parser.add_argument("--prompt-len", type=int, default=256)
-    parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument("--vocab", type=int, default=49152)
-    parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--first-token-from",
+        default="decode,prefill",
+        help="comma list of modes, each with every cap (decode: TTFT includes the transfer)",
+    )
+    parser.add_argument("--concurrency", type=int, default=4, help="closed-loop concurrency")
+    parser.add_argument("--num-prompts", type=int, default=16, help="requests per server")
+    parser.add_argument("--warmup", type=int, default=2, help="warm-up requests, excluded")
+    add_workload_args(parser)
+    parser.set_defaults(endpoint="completions", output_len="32", token_ids=False)
+    parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--plot", default=None, help="write a PNG plot here")
     parser.set_defaults(func=run_sweep)

@@ -27,11 +27,15 @@ def add_bench_parser(sub) -> None:
     engine.add_argument("--json", default=None, help="also write results to this JSON file")
     engine.set_defaults(func=_run_engine_bench)
     from bench.bandwidth_sweep import add_bandwidth_parser
+    from bench.compare import add_compare_parser
     from bench.serve_bench import add_serve_bench_parser
+    from bench.sweep import add_sweep_parser
     from bench.transfer_bench import add_transfer_parser
 
     add_transfer_parser(kinds)
     add_serve_bench_parser(kinds)
+    add_sweep_parser(kinds)
+    add_compare_parser(kinds)
     add_bandwidth_parser(kinds)
 
 

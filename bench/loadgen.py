@@ -1,11 +1,17 @@
-"""An OpenAI-API load generator that measures like a careful engineer.
+"""Streaming OpenAI requests, timed at the client: the one HTTP path of every benchmark.
 
-Every request is timed at the client: time to first token is the first chunk that
-carries text (never a role-only chunk), inter-token latencies are the gaps between
-content chunks, end-to-end runs to `[DONE]`. Failures are counted, not dropped.
-Warm-up requests run first and are excluded from the results.
+A request's life here: its body is posted to `/v1/completions` or
+`/v1/chat/completions` with `stream: true` and usage requested; every server-sent
+event is read as it lands. The first chunk that carries text (completions `text`,
+chat `delta.content`; a role-only chunk is not a token) stamps the time to first
+token; each later text chunk stamps one inter-chunk gap; `[DONE]` ends it. How it
+ended is its `outcome`: `ok` (saw `[DONE]` with no error), `error` (an HTTP status,
+an error event in the stream, a stream cut short, a connection failure), `timeout`,
+or `cancelled`. Nothing is decoded or tokenized while a stream is read, so the
+client stays cheap on a machine it shares with the server.
 
-Used by `pdserve drill` and by the benchmark experiments.
+Callers: `bench/runner.py` (`pdserve bench serve`, sweep, bandwidth) and `pdserve
+drill` (through `run_load`).
 """
 
 from __future__ import annotations
@@ -13,17 +19,31 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import statistics
 import time
 from dataclasses import dataclass, field
 
 import aiohttp
 
+from bench.stats import percentile
+
+__all__ = [
+    "LoadSpec",
+    "RequestRecord",
+    "get_json",
+    "percentile",
+    "run_load",
+    "served_model_id",
+    "stream_completion",
+    "stream_request",
+]
+
+_DATA = b"data: "
+
 
 @dataclass
 class RequestRecord:
     index: int
-    prompt: str | list[int]
+    prompt: str | list[int] | list[dict] | None = None
     ok: bool = False
     status: int = 0
     error: str = ""
@@ -34,6 +54,21 @@ class RequestRecord:
     chunk_times: list[float] = field(default_factory=list)
     completion_tokens: int = 0
     server_timings: dict = field(default_factory=dict)
+    outcome: str = "pending"
+    """ok, error, timeout or cancelled, once the request is over."""
+    endpoint: str = "completions"
+    session: int = -1
+    turn: int = 0
+    group: int | None = None
+    prompt_tokens: int | None = None
+    """Counted by the client with the model's tokenizer before sending."""
+    server_prompt_tokens: int | None = None
+    """The server's usage.prompt_tokens."""
+    output_len: int = 0
+    """max_tokens asked for."""
+    scheduled: float | None = None
+    """When the arrival process wanted it sent (open loop); `start` is when it was."""
+    finish_reason: str | None = None
 
     @property
     def ttft_s(self) -> float | None:
@@ -45,14 +80,94 @@ class RequestRecord:
 
     @property
     def itl_s(self) -> list[float]:
-        times = self.chunk_times
-        return [b - a for a, b in itertools.pairwise(times)]
+        return [b - a for a, b in itertools.pairwise(self.chunk_times)]
 
     @property
     def tpot_s(self) -> float | None:
+        """(E2E - TTFT) / (output tokens - 1): the mean time per token after the first."""
         if self.first_token is None or self.completion_tokens < 2:
             return None
         return (self.end - self.first_token) / (self.completion_tokens - 1)
+
+    @property
+    def queued_s(self) -> float | None:
+        return None if self.scheduled is None else max(0.0, self.start - self.scheduled)
+
+
+async def stream_request(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict,
+    record: RequestRecord,
+    api_key: str | None = None,
+) -> RequestRecord:
+    """POST one streaming request (`body` already holds prompt/messages and sampling
+    fields) and fill `record`; never raises except `CancelledError`."""
+    path = "/v1/chat/completions" if record.endpoint == "chat" else "/v1/completions"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    parts: list[str] = []
+    record.start = time.perf_counter()
+    try:
+        async with session.post(f"{url}{path}", json=body, headers=headers) as response:
+            record.status = response.status
+            if response.status != 200:
+                record.error = (await response.text())[:500]
+                record.outcome = "error"
+                return record
+            await _read_events(response, record, parts)
+    except asyncio.TimeoutError:
+        record.error, record.outcome = "timed out", "timeout"
+    except aiohttp.ClientError as exc:
+        record.error, record.outcome = repr(exc)[:500], "error"
+    except asyncio.CancelledError:
+        record.error, record.outcome = "cancelled", "cancelled"
+        raise
+    finally:
+        record.end = time.perf_counter()
+        record.text = "".join(parts)
+    return record
+
+
+async def _read_events(response, record: RequestRecord, parts: list[str]) -> None:
+    chat = record.endpoint == "chat"
+    async for raw_line in response.content:
+        if not raw_line.startswith(_DATA):
+            continue
+        payload = raw_line[len(_DATA) :].rstrip()
+        if payload == b"[DONE]":
+            record.ok = not record.error
+            record.outcome = "ok" if record.ok else "error"
+            return
+        event = json.loads(payload)
+        if "error" in event:
+            error = event["error"]
+            record.error = error.get("message", "error") if isinstance(error, dict) else str(error)
+            continue
+        for choice in event.get("choices") or ():
+            text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+            if text:
+                now = time.perf_counter()
+                if record.first_token is None:
+                    record.first_token = now
+                record.chunk_times.append(now)
+                parts.append(text)
+            if choice.get("finish_reason"):
+                record.finish_reason = choice["finish_reason"]
+        _read_usage(event, record)
+    record.error = record.error or "stream ended before [DONE]"
+    record.outcome = "error"
+
+
+def _read_usage(event: dict, record: RequestRecord) -> None:
+    usage = event.get("usage")
+    if usage:
+        record.completion_tokens = usage.get("completion_tokens") or record.completion_tokens
+        record.server_prompt_tokens = usage.get("prompt_tokens")
+    if "pdserve_timings" in event:
+        record.server_timings = event["pdserve_timings"] or {}
+
+
+# --- the simple closed loop `pdserve drill` uses ----------------------------------------
 
 
 @dataclass(frozen=True)
@@ -60,7 +175,7 @@ class LoadSpec:
     url: str
     model: str
     prompts: list[str] | list[list[int]]
-    """Text prompts or token-id prompts (exact lengths, as benchmarks want)."""
+    """Text prompts or token-id prompts."""
     max_tokens: int = 64
     concurrency: int = 8
     temperature: float = 0.0
@@ -69,59 +184,23 @@ class LoadSpec:
     timeout_s: float = 600.0
 
 
-async def stream_completion(
-    session: aiohttp.ClientSession, spec: LoadSpec, record: RequestRecord
-) -> RequestRecord:
-    body = {
+def completion_body(spec: LoadSpec, prompt) -> dict:
+    return {
         "model": spec.model,
-        "prompt": record.prompt,
+        "prompt": prompt,
         "max_tokens": spec.max_tokens,
         "temperature": spec.temperature,
         "ignore_eos": spec.ignore_eos,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
-    record.start = time.perf_counter()
-    try:
-        async with session.post(
-            f"{spec.url}/v1/completions", json=body, headers=headers
-        ) as response:
-            record.status = response.status
-            if response.status != 200:
-                record.error = (await response.text())[:500]
-                return record
-            await _read_events(response, record)
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        record.error = repr(exc)
-    finally:
-        record.end = time.perf_counter()
-    return record
 
 
-async def _read_events(response: aiohttp.ClientResponse, record: RequestRecord) -> None:
-    async for raw_line in response.content:
-        line = raw_line.strip()
-        if not line.startswith(b"data: "):
-            continue
-        payload = line[len(b"data: ") :]
-        if payload == b"[DONE]":
-            record.ok = not record.error
-            return
-        event = json.loads(payload)
-        if "error" in event:
-            record.error = event["error"].get("message", "error")
-            continue
-        if event.get("usage"):
-            record.completion_tokens = event["usage"]["completion_tokens"]
-        for choice in event.get("choices", []):
-            if choice.get("text"):
-                now = time.perf_counter()
-                record.first_token = record.first_token or now
-                record.chunk_times.append(now)
-                record.text += choice["text"]
-        if "pdserve_timings" in event:
-            record.server_timings = event["pdserve_timings"]
+async def stream_completion(
+    session: aiohttp.ClientSession, spec: LoadSpec, record: RequestRecord
+) -> RequestRecord:
+    body = completion_body(spec, record.prompt)
+    return await stream_request(session, spec.url, body, record, spec.api_key)
 
 
 async def run_load(spec: LoadSpec, warmup: int = 0) -> list[RequestRecord]:
@@ -157,35 +236,3 @@ async def get_json(
 
 async def served_model_id(url: str, api_key: str | None = None) -> str:
     return (await get_json(url, "/v1/models", api_key))["data"][0]["id"]
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[rank]
-
-
-def summarize(records: list[RequestRecord], wall_s: float) -> dict:
-    done = [r for r in records if r.ok]
-    ttft = [r.ttft_s for r in done if r.ttft_s is not None]
-    itl = [gap for r in done for gap in r.itl_s]
-    tpot = [r.tpot_s for r in done if r.tpot_s is not None]
-    e2e = [r.e2e_s for r in done]
-    tokens = sum(r.completion_tokens for r in done)
-    return {
-        "requests": len(records),
-        "completed": len(done),
-        "failed": len(records) - len(done),
-        "output_tokens": tokens,
-        "wall_s": wall_s,
-        "output_tok_s": tokens / wall_s if wall_s else 0.0,
-        "ttft_p50_s": percentile(ttft, 50),
-        "ttft_p99_s": percentile(ttft, 99),
-        "itl_p50_s": percentile(itl, 50),
-        "itl_p99_s": percentile(itl, 99),
-        "tpot_mean_s": statistics.fmean(tpot) if tpot else None,
-        "e2e_p50_s": percentile(e2e, 50),
-        "e2e_p99_s": percentile(e2e, 99),
-    }
