@@ -1,20 +1,32 @@
-"""Paged attention over the KV pool, in pure torch (gather + scaled_dot_product_attention).
+"""Paged attention over the KV pool, and the seam where other kernels plug in.
 
 One forward step packs the new tokens of many sequences into one row-major batch:
 decode tokens first (one per sequence), then prefill chunks. Keys and values of the
-new tokens are written into the pool before attention, so a prefill chunk attends to
-earlier chunks and to itself through the same cache a decode step reads.
+new tokens are written into the pool before attention (`rope_store`), so a decode
+row or a later prefill chunk reads earlier tokens from the same cache.
 
-`AttentionBackend` is the seam where a GPU kernel (FlashAttention, FlashInfer) drops in:
-it sees the same metadata and the same pool views.
+- A decode row attends to its sequence's blocks. `TorchPagedAttention` gathers them
+  into a dense copy and runs SDPA (any device, any dtype); the native CPU backend
+  (`engine.native.attention`) reads the blocks in place.
+- A prefill chunk of a fresh prompt (nothing cached before it) attends to its own
+  keys and values, which are already in hand: no gather. A chunk after cached context
+  gathers that context once per layer.
+
+`AttentionBackend` is the seam: a backend sees the same metadata and the pool, and is
+picked by name (`make_attention_backend`), e.g. `flash` on CUDA when flash-attn is
+importable (`engine.flash_attention`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
+
+AttentionChoice = Literal["auto", "torch", "native", "flash"]
+ATTENTION_CHOICES = ("auto", "torch", "native", "flash")
 
 
 @dataclass
@@ -44,41 +56,39 @@ class AttentionMetadata:
 
 
 class AttentionBackend:
-    """Computes attention for one layer of one packed step. Called by the model per layer."""
+    """Attention of one layer of one packed step; called by the model once per layer,
+    after the step's new keys and values are in the pool."""
 
-    def forward(self, q, k_view, v_view, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    name = "base"
+
+    def forward(self, q, k, v, kv_pool, layer: int, meta: AttentionMetadata, scale: float):
+        """q [T, Hq, D]; k, v [T, Hkv, D] of the new tokens. Returns [T, Hq * D]."""
         raise NotImplementedError
 
 
 class TorchPagedAttention(AttentionBackend):
-    """Reference CPU/GPU backend built on torch SDPA with GQA."""
+    """Reference backend on torch SDPA with GQA, any device and dtype."""
 
-    def forward(self, q, k_view, v_view, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        out = torch.empty_like(q)
+    name = "torch"
+
+    def forward(self, q, k, v, kv_pool, layer: int, meta: AttentionMetadata, scale: float):
+        num_tokens, num_heads, head_dim = q.shape
+        out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
         decode_count = meta.num_decode_tokens
         if decode_count:
-            out[:decode_count] = self._decode(q[:decode_count], k_view, v_view, meta, scale)
+            self._decode(q[:decode_count], kv_pool, layer, meta, scale, out[:decode_count])
         for chunk in meta.prefill_chunks:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-            out[rows] = self._prefill(q[rows], k_view, v_view, chunk, scale)
+            attended = self._prefill(q[rows], k[rows], v[rows], kv_pool, layer, chunk, scale)
+            out[rows] = attended.reshape(chunk.query_len, num_heads * head_dim)
         return out
 
-    @staticmethod
-    def _gather(view: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-        """[..., blocks] -> [..., kv_heads, tokens, head_dim] copy of the referenced blocks."""
-        # index_select on the flattened table is ~6x faster than advanced indexing
-        # on the strided per-layer view of the block-major pool.
-        gathered = view.index_select(0, block_table.flatten())
-        tokens = block_table.shape[-1] * view.shape[1]
-        gathered = gathered.view(*block_table.shape[:-1], tokens, *view.shape[2:])
-        return gathered.transpose(-3, -2)
-
-    def _decode(self, q, k_view, v_view, meta: AttentionMetadata, scale: float):
-        keys = self._gather(k_view, meta.decode_block_tables)
-        values = self._gather(v_view, meta.decode_block_tables)
+    def _decode(self, q, kv_pool, layer: int, meta: AttentionMetadata, scale, out) -> None:
+        keys = _gather(kv_pool.layer_view(layer, 0), meta.decode_block_tables)
+        values = _gather(kv_pool.layer_view(layer, 1), meta.decode_block_tables)
         positions = torch.arange(keys.shape[-2], device=q.device)
         mask = positions[None, :] < meta.decode_context_lens[:, None]
-        out = F.scaled_dot_product_attention(
+        attended = F.scaled_dot_product_attention(
             q.unsqueeze(2),
             keys,
             values,
@@ -86,20 +96,32 @@ class TorchPagedAttention(AttentionBackend):
             scale=scale,
             enable_gqa=True,
         )
-        return out.squeeze(2)
+        out.copy_(attended.flatten(1))
 
-    def _prefill(self, q, k_view, v_view, chunk: PrefillChunk, scale: float):
+    def _context(self, kv_pool, layer: int, chunk: PrefillChunk):
+        """Keys and values of the chunk's sequence up to its last token: [1, Hkv, n, D]."""
         context_len = chunk.context_start + chunk.query_len
+        keys = _gather(kv_pool.layer_view(layer, 0), chunk.block_table)[None, :, :context_len]
+        values = _gather(kv_pool.layer_view(layer, 1), chunk.block_table)[None, :, :context_len]
+        return keys, values
+
+    def _prefill(self, q, k, v, kv_pool, layer: int, chunk: PrefillChunk, scale):
         # 4-D [1, heads, tokens, dim]: torch's CPU flash kernel takes only batched
         # inputs; 3-D ones fall back to the math path, 5-6x slower for a 256-token chunk.
-        keys = self._gather(k_view, chunk.block_table)[None, :, :context_len]
-        values = self._gather(v_view, chunk.block_table)[None, :, :context_len]
         query = q.transpose(0, 1)[None]
         if chunk.context_start == 0:
+            # A fresh prompt attends only to itself: its keys and values are in hand.
             out = F.scaled_dot_product_attention(
-                query, keys, values, is_causal=True, scale=scale, enable_gqa=True
+                query,
+                k.transpose(0, 1)[None],
+                v.transpose(0, 1)[None],
+                is_causal=True,
+                scale=scale,
+                enable_gqa=True,
             )
         else:
+            keys, values = self._context(kv_pool, layer, chunk)
+            context_len = chunk.context_start + chunk.query_len
             query_pos = torch.arange(chunk.query_len, device=q.device) + chunk.context_start
             key_pos = torch.arange(context_len, device=q.device)
             mask = key_pos[None, :] <= query_pos[:, None]
@@ -107,3 +129,42 @@ class TorchPagedAttention(AttentionBackend):
                 query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
             )
         return out[0].transpose(0, 1)
+
+
+def _gather(view: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """[..., blocks] -> [..., kv_heads, tokens, head_dim] copy of the referenced blocks."""
+    # index_select on the flattened table is ~6x faster than advanced indexing
+    # on the strided per-layer view of the block-major pool.
+    gathered = view.index_select(0, block_table.flatten())
+    tokens = block_table.shape[-1] * view.shape[1]
+    gathered = gathered.view(*block_table.shape[:-1], tokens, *view.shape[2:])
+    return gathered.transpose(-3, -2)
+
+
+def make_attention_backend(
+    choice: AttentionChoice, dtype: torch.dtype, device: str, kernels: str = "auto"
+) -> AttentionBackend:
+    """The backend for `choice`; `auto` picks flash on CUDA when importable, the native
+    kernels on CPU in float32 (unless `kernels` is 'torch'), else torch. An explicit
+    choice that cannot run here raises."""
+    if choice not in ATTENTION_CHOICES:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_CHOICES}, got {choice!r}")
+    device_type = torch.device(device).type
+    if choice in ("auto", "flash") and device_type == "cuda":
+        from engine.flash_attention import FlashPagedAttention, flash_available
+
+        if flash_available(dtype):
+            return FlashPagedAttention()
+    if choice == "flash":
+        raise ValueError("attention_backend='flash' needs CUDA, fp16/bf16 and flash-attn")
+    native_wanted = choice == "native" or (choice == "auto" and kernels != "torch")
+    if native_wanted and device_type == "cpu" and dtype == torch.float32:
+        from engine.native.attention import NativePagedAttention
+        from engine.native.ops import native_kernels
+
+        native = native_kernels()
+        if native is not None:
+            return NativePagedAttention(native)
+    if choice == "native":
+        raise ValueError("attention_backend='native' needs float32 on CPU and the kernels")
+    return TorchPagedAttention()

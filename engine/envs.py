@@ -20,3 +20,9 @@ def api_key() -> str | None:
 def cluster_token() -> str | None:
     """PDSERVE_CLUSTER_TOKEN: shared secret for worker-to-worker KV endpoints."""
     return os.environ.get("PDSERVE_CLUSTER_TOKEN") or None
+
+
+def kernel_cache_dir() -> Path:
+    """PDSERVE_KERNEL_CACHE: compiled native CPU kernels (default ~/.cache/pdserve/kernels)."""
+    default = Path.home() / ".cache" / "pdserve" / "kernels"
+    return Path(os.environ.get("PDSERVE_KERNEL_CACHE", default)).expanduser()

@@ -4,6 +4,11 @@ Tokens of all sequences in a step are packed into one [T, hidden] batch so the
 projections run as large matmuls; only attention looks at sequence boundaries
 (see `engine.attention`). Logits are computed only for the rows a sampler needs.
 
+Each layer is written in a few grouped operations (`engine.layer_ops`); which
+implementation runs them is chosen once at load (`kernels`): the native float32 CPU
+kernels (`engine.native`), which fuse each group into one call and stream weights
+packed for them, or the torch reference (any device, any dtype).
+
 The residual stream stays in float32 whatever the weights' dtype: with bf16 weights,
 a bf16 residual (8-bit mantissa) drops layer updates that are small next to its
 outliers (SmolLM2 reaches ~25000, where one bf16 step is 128): on the demo model the
@@ -17,16 +22,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from engine.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
+from engine.attention import (
+    AttentionBackend,
+    AttentionChoice,
+    AttentionMetadata,
+    make_attention_backend,
+)
 from engine.kv_cache import KVCachePool
-from engine.linear import linear
+from engine.layer_ops import RESIDUAL_DTYPE, HeadSizes, KernelChoice, make_layer_ops
 from engine.model_spec import ModelSpec
 from engine.rope import RotaryEmbedding
 from engine.weights import LayerWeights, load_weights
 
-RESIDUAL_DTYPE = torch.float32
+__all__ = ["RESIDUAL_DTYPE", "LlamaForward"]
 
 
 class LlamaForward:
@@ -39,19 +48,24 @@ class LlamaForward:
         dtype: torch.dtype,
         device: str = "cpu",
         max_positions: int | None = None,
-        attention: AttentionBackend | None = None,
+        attention: AttentionBackend | AttentionChoice | None = None,
+        kernels: KernelChoice = "auto",
     ):
         self.spec = spec
         self.dtype = dtype
         self.device = device
+        self.ops = make_layer_ops(kernels, dtype, device, spec.rms_norm_eps)
         self.weights = load_weights(model_dir, spec, dtype, device)
+        self.weights.prepare(self.ops.prepare_linear)
         self.rope = RotaryEmbedding(
             spec.hf_config, max_positions or spec.max_position_embeddings, dtype, device
         )
-        self.attention = attention or TorchPagedAttention()
+        if not isinstance(attention, AttentionBackend):
+            kernel_kind = "torch" if self.ops.name == "torch" else "auto"
+            attention = make_attention_backend(attention or "auto", dtype, device, kernel_kind)
+        self.attention = attention
         self.scale = spec.head_dim**-0.5
-        self.q_size = spec.num_heads * spec.head_dim
-        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.heads = HeadSizes(spec.num_heads, spec.num_kv_heads, spec.head_dim)
 
     @torch.inference_mode()
     def forward(
@@ -63,35 +77,20 @@ class LlamaForward:
         logits_rows: torch.Tensor,
     ) -> torch.Tensor:
         """Run one packed step; returns float32 logits [len(logits_rows), vocab]."""
-        hidden = F.embedding(input_ids, self.weights.embed).to(RESIDUAL_DTYPE)
+        self.ops.begin_step()
+        hidden = self.ops.embed(input_ids, self.weights.embed)
         for index, layer in enumerate(self.weights.layers):
-            hidden = self._layer(index, layer, hidden, positions, meta, kv_pool)
+            self._layer(index, layer, hidden, positions, meta, kv_pool)
         hidden = hidden.index_select(0, logits_rows)
-        hidden = self._norm(hidden, self.weights.final_norm)
-        return linear(hidden, self.weights.lm_head).float()
+        logits = self.ops.norm_linear(hidden, self.weights.final_norm, self.weights.lm_head)
+        return logits.float()
 
-    def _norm(self, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """RMSNorm of the float32 residual, returned in the weights' dtype for the matmul."""
-        shape, eps = (residual.shape[-1],), self.spec.rms_norm_eps
-        if residual.dtype == weight.dtype:
-            return F.rms_norm(residual, shape, weight, eps)
-        # As transformers does: normalize in float32, scale in the weights' dtype.
-        return F.rms_norm(residual, shape, None, eps).to(weight.dtype) * weight
-
-    def _layer(self, index, layer: LayerWeights, hidden, positions, meta, kv_pool):
-        num_tokens = hidden.shape[0]
-        spec = self.spec
-        qkv = linear(self._norm(hidden, layer.input_norm), layer.qkv, layer.qkv_bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, spec.num_heads, spec.head_dim)
-        k = k.view(num_tokens, spec.num_kv_heads, spec.head_dim)
-        v = v.view(num_tokens, spec.num_kv_heads, spec.head_dim)
-        q, k = self.rope.apply(q, k, positions)
-        kv_pool.write_slots(index, meta.slot_blocks, meta.slot_offsets, k, v)
-        attn = self.attention.forward(
-            q, kv_pool.layer_view(index, 0), kv_pool.layer_view(index, 1), meta, self.scale
-        )
-        hidden = hidden + linear(attn.reshape(num_tokens, self.q_size), layer.o_proj, layer.o_bias)
-        gate_up = linear(self._norm(hidden, layer.post_norm), layer.gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return hidden + linear(F.silu(gate) * up, layer.down)
+    def _layer(self, index: int, layer: LayerWeights, hidden, positions, meta, kv_pool) -> None:
+        """One decoder layer; updates the float32 residual `hidden` in place."""
+        ops = self.ops
+        qkv = ops.norm_linear(hidden, layer.input_norm, layer.qkv)
+        q, k, v = ops.rope_store(qkv, positions, self.rope, kv_pool, index, meta, self.heads)
+        attn = self.attention.forward(q, k, v, kv_pool, index, meta, self.scale)
+        ops.linear_add(attn, layer.o_proj, hidden)
+        gate_up = ops.norm_linear(hidden, layer.post_norm, layer.gate_up)
+        ops.glu_linear_add(gate_up, layer.down, hidden)

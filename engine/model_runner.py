@@ -3,6 +3,8 @@
 Decode pieces (one token) go first and are attended in one batched call; prefill
 pieces follow, each attending to its own cached context. Logits are computed only
 for sequences whose piece reaches their last known token, since only they sample.
+On CUDA, decode-only steps replay a captured graph per batch-size bucket
+(`engine.cuda_graphs`) when enabled; everywhere else the step runs eagerly.
 """
 
 from __future__ import annotations
@@ -25,22 +27,52 @@ class StepResult:
     sampling_seqs: list[Sequence]
 
 
+@dataclass
+class StepInputs:
+    """One packed step's tensors, as `LlamaForward.forward` takes them."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor
+    sampling_seqs: list[Sequence]
+
+    @property
+    def decode_only(self) -> bool:
+        return not self.meta.prefill_chunks
+
+
 class ModelRunner:
     """Owned by an engine; `run` is called once per step with the scheduler's chunks."""
 
-    def __init__(self, model: LlamaForward, kv_pool: KVCachePool):
+    def __init__(self, model: LlamaForward, kv_pool: KVCachePool, cuda_graphs: bool = True):
         self.model = model
         self.kv_pool = kv_pool
         self.device = model.device
+        self.graphs = None
+        if cuda_graphs and torch.device(self.device).type == "cuda":
+            from engine.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(model, kv_pool)
 
     def run(self, chunks: list[ScheduledChunk]) -> StepResult:
+        step = self.build_step(chunks)
+        if self.graphs is not None and step.decode_only and self.graphs.covers(step):
+            logits = self.graphs.run(step)
+        else:
+            logits = self.model.forward(
+                step.input_ids, step.positions, step.meta, self.kv_pool, step.logits_rows
+            )
+        return StepResult(logits=logits, sampling_seqs=step.sampling_seqs)
+
+    def build_step(self, chunks: list[ScheduledChunk]) -> StepInputs:
+        """Pack the chunks (decode first) into the step's token, position and slot tensors."""
         decode = [c for c in chunks if c.num_new_tokens == 1]
         prefill = [c for c in chunks if c.num_new_tokens > 1]
-        ordered = decode + prefill
         tokens, positions, slot_blocks, slot_offsets = [], [], [], []
         logits_rows, sampling_seqs = [], []
         block_size = self.kv_pool.block_size
-        for chunk in ordered:
+        for chunk in decode + prefill:
             seq, start = chunk.seq, chunk.seq.num_computed_tokens
             end = start + chunk.num_new_tokens
             tokens += seq.token_slice(start, end)
@@ -59,16 +91,15 @@ class ModelRunner:
         if decode:
             meta.decode_block_tables, meta.decode_context_lens = self._decode_tables(decode)
         meta.prefill_chunks = self._prefill_chunks(prefill, first_row=len(decode))
-        logits = self.model.forward(
+        return StepInputs(
             self._tensor(tokens),
             self._tensor(positions),
             meta,
-            self.kv_pool,
             self._tensor(logits_rows),
+            sampling_seqs,
         )
-        return StepResult(logits=logits, sampling_seqs=sampling_seqs)
 
-    def _tensor(self, values: list[int]) -> torch.Tensor:
+    def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
     def _decode_tables(self, decode: list[ScheduledChunk]):

@@ -1,4 +1,9 @@
-"""Loading HF safetensors checkpoints into the fused layout our forward uses."""
+"""Loading HF safetensors checkpoints into the fused layout our forward uses.
+
+Projections load as `Linear(weight [out, in], bias)`; the model then hands each to
+its layer ops' `prepare_linear` (`ModelWeights.prepare`), which may repack it (the
+native CPU kernels do) so that only the prepared copy stays in memory.
+"""
 
 from __future__ import annotations
 
@@ -10,29 +15,51 @@ import torch
 from safetensors import safe_open
 
 from engine.errors import ModelLoadError
+from engine.layer_ops import Linear
 from engine.model_spec import ModelSpec
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor
+    qkv: Linear
     """q, k and v projections stacked along the output dim: one matmul instead of three."""
-    qkv_bias: torch.Tensor | None
-    o_proj: torch.Tensor
-    o_bias: torch.Tensor | None
+    o_proj: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
+    gate_up: Linear
     """gate and up projections stacked: one matmul, split after."""
-    down: torch.Tensor
+    down: Linear
+
+    def projections(self) -> dict[str, Linear]:
+        return {"qkv": self.qkv, "o_proj": self.o_proj, "gate_up": self.gate_up, "down": self.down}
 
 
 @dataclass
 class ModelWeights:
-    embed: torch.Tensor
+    embed: Linear
+    """The input embedding table (its `weight`); the same object as `lm_head` when tied."""
     layers: list[LayerWeights]
     final_norm: torch.Tensor
-    lm_head: torch.Tensor
+    lm_head: Linear
+
+    def prepare(self, prepare_linear) -> None:
+        """Replace every projection by `prepare_linear(projection)` (e.g. packed for the
+        native kernels), in place, one at a time so that peak memory stays near one copy.
+        A tied embedding stays the same object as the prepared LM head."""
+        for layer in self.layers:
+            for name, projection in layer.projections().items():
+                setattr(layer, name, prepare_linear(projection))
+        tied = self.embed is self.lm_head
+        self.lm_head = prepare_linear(self.lm_head)
+        if tied:
+            self.embed = self.lm_head
+
+    def nbytes_streamed(self) -> int:
+        """Bytes a forward step reads in full: every projection, the norms, the LM head."""
+        norms = sum(layer.input_norm.numel() + layer.post_norm.numel() for layer in self.layers)
+        norms = (norms + self.final_norm.numel()) * self.final_norm.element_size()
+        projections = sum(p.nbytes for layer in self.layers for p in layer.projections().values())
+        return projections + self.lm_head.nbytes + norms
 
 
 def _checkpoint_files(model_dir: Path) -> list[Path]:
@@ -67,9 +94,9 @@ def load_weights(
             raise ModelLoadError(f"checkpoint {model_dir} lacks tensor {name}") from None
 
     layers = [_load_layer(take, i, spec, state) for i in range(spec.num_layers)]
-    embed = take("model.embed_tokens.weight")
+    embed = Linear(take("model.embed_tokens.weight"))
     if "lm_head.weight" in state and not spec.tie_word_embeddings:
-        lm_head = take("lm_head.weight")
+        lm_head = Linear(take("lm_head.weight"))
     else:
         lm_head = embed
     return ModelWeights(
@@ -86,14 +113,13 @@ def _load_layer(take, index: int, spec: ModelSpec, state: dict) -> LayerWeights:
     if spec.qkv_bias:
         qkv_bias = torch.cat([take(attn + f"{p}_proj.bias") for p in "qkv"]).contiguous()
     gate_up = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]).contiguous()
+    # Llama with attention_bias=True also has an o_proj bias; Qwen2 does not.
+    o_bias = take(attn + "o_proj.bias") if attn + "o_proj.bias" in state else None
     return LayerWeights(
         input_norm=take(prefix + "input_layernorm.weight"),
-        qkv=qkv,
-        qkv_bias=qkv_bias,
-        o_proj=take(attn + "o_proj.weight"),
-        # Llama with attention_bias=True also has an o_proj bias; Qwen2 does not.
-        o_bias=take(attn + "o_proj.bias") if attn + "o_proj.bias" in state else None,
+        qkv=Linear(qkv, qkv_bias),
+        o_proj=Linear(take(attn + "o_proj.weight"), o_bias),
         post_norm=take(prefix + "post_attention_layernorm.weight"),
-        gate_up=gate_up,
-        down=take(mlp + "down_proj.weight"),
+        gate_up=Linear(gate_up),
+        down=Linear(take(mlp + "down_proj.weight")),
     )

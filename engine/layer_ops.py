@@ -1,0 +1,125 @@
+"""The handful of operations a decoder layer is written in, and the torch reference set.
+
+`LlamaForward` runs every layer as: `norm_linear` (RMSNorm + qkv) -> `rope_store`
+(rotate q, k and write k, v into the pool) -> attention -> `linear_add` (residual +=
+o_proj) -> `norm_linear` (RMSNorm + gate|up) -> `glu_linear_add` (residual +=
+down(silu(gate) * up)). Grouping them this way lets an implementation fuse each
+group into one kernel call; the native float32 CPU set (`engine.native.ops`) does,
+`TorchOps` spells them out in torch for every device and dtype.
+
+Which set runs is chosen once per model by `make_layer_ops` (the `kernels` knob).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from engine.linear import linear
+
+logger = logging.getLogger(__name__)
+
+KernelChoice = Literal["auto", "native", "torch"]
+KERNEL_CHOICES = ("auto", "native", "torch")
+RESIDUAL_DTYPE = torch.float32
+
+
+@dataclass
+class Linear:
+    """A projection's weight [out, in] and optional bias, as loaded from the checkpoint."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        extra = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+        return self.weight.numel() * self.weight.element_size() + extra
+
+
+@dataclass(frozen=True)
+class HeadSizes:
+    """How a fused qkv row splits into heads."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def split(self) -> list[int]:
+        kv = self.num_kv_heads * self.head_dim
+        return [self.num_heads * self.head_dim, kv, kv]
+
+
+class TorchOps:
+    """Reference implementation in plain torch: any device, any dtype. The residual
+    stream is float32 (see engine/model.py); matmuls run in the weights' dtype."""
+
+    name = "torch"
+
+    def __init__(self, eps: float):
+        self.eps = eps
+
+    def prepare_linear(self, projection: Linear) -> Linear:
+        """Called once per projection at load; returns what the other ops take."""
+        return projection
+
+    def begin_step(self) -> None:
+        """Called by the model at the start of every forward step."""
+
+    def embed(self, input_ids: torch.Tensor, table) -> torch.Tensor:
+        return F.embedding(input_ids, table.weight).to(RESIDUAL_DTYPE)
+
+    def norm(self, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of the float32 residual, returned in the weights' dtype for the matmul."""
+        shape = (residual.shape[-1],)
+        if residual.dtype == weight.dtype:
+            return F.rms_norm(residual, shape, weight, self.eps)
+        # As transformers does: normalize in float32, scale in the weights' dtype.
+        return F.rms_norm(residual, shape, None, self.eps).to(weight.dtype) * weight
+
+    def norm_linear(self, residual, norm_weight, projection: Linear) -> torch.Tensor:
+        return linear(self.norm(residual, norm_weight), projection.weight, projection.bias)
+
+    def linear_add(self, x, projection: Linear, residual: torch.Tensor) -> None:
+        residual += linear(x, projection.weight, projection.bias)
+
+    def glu_linear_add(self, gate_up, projection: Linear, residual: torch.Tensor) -> None:
+        gate, up = gate_up.chunk(2, dim=-1)
+        residual += linear(F.silu(gate) * up, projection.weight, projection.bias)
+
+    def rope_store(self, qkv, positions, rope, kv_pool, layer: int, meta, sizes: HeadSizes):
+        """Rotate q and k, write k and v into the pool; returns q, k, v as [T, heads, dim]."""
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split(sizes.split, dim=-1)
+        q = q.view(num_tokens, sizes.num_heads, sizes.head_dim)
+        k = k.view(num_tokens, sizes.num_kv_heads, sizes.head_dim)
+        v = v.view(num_tokens, sizes.num_kv_heads, sizes.head_dim)
+        q, k = rope.apply(q, k, positions)
+        kv_pool.write_slots(layer, meta.slot_blocks, meta.slot_offsets, k, v)
+        return q, k, v
+
+
+def make_layer_ops(choice: KernelChoice, dtype: torch.dtype, device: str, eps: float):
+    """`native` where it applies (float32 on CPU, kernels compiled), else `TorchOps`.
+
+    `auto` falls back quietly; an explicit `native` that cannot run raises."""
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {choice!r}")
+    if choice == "torch":
+        return TorchOps(eps)
+    applies = dtype == torch.float32 and torch.device(device).type == "cpu"
+    if applies:
+        from engine.native.ops import NativeOps, native_kernels
+
+        kernels = native_kernels()
+        if kernels is not None:
+            return NativeOps(kernels, eps)
+    if choice == "native":
+        reason = "the kernels did not build" if applies else "they need float32 on CPU"
+        raise ValueError(f"kernels='native' cannot run here: {reason}")
+    return TorchOps(eps)

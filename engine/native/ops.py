@@ -1,0 +1,183 @@
+"""The layer operations (`engine.layer_ops`) on the float32 CPU kernels of kernels.c.
+
+At load, `prepare_linear` packs each projection into strips of `strip` output columns
+([N / strip][K][strip]) so that every matmul streams its weight sequentially; the
+original [N, K] tensor is dropped (one copy of the weights). A tied embedding is read
+back out of the packed LM head row by row. Per step, each op is one kernel call:
+RMSNorm runs as the prologue of the projection that follows it, SiLU*mul as the
+prologue of the down projection, and the residual adds as the matmul's epilogue.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.layer_ops import RESIDUAL_DTYPE, HeadSizes, Linear
+from engine.native.build import load_library
+
+PROLOGUE_NONE, PROLOGUE_RMSNORM, PROLOGUE_SILU_MUL = 0, 1, 2
+
+_P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
+_SIGNATURES = {
+    "pd_strip_width": ([], _I),
+    "pd_linear": ([_P, _L, _L, _L, _P, _L, _P, _I, _P, _F, _P, _P, _L, _I, _I], None),
+    "pd_rope_store": (
+        [_P, _L, _L, _L, _L, _L, _P, _P, _P, _P, _P, _L, _P, _P, _I],
+        None,
+    ),
+    "pd_decode_attention": (
+        [_P, _L, _L, _L, _L, _L, _P, _P, _L, _L, _P, _L, _P, _F, _P, _L, _I],
+        _I,
+    ),
+    "pd_gather_kv": ([_P, _P, _L, _L, _L, _L, _P, _L, _P, _P, _I], None),
+}
+
+
+class NativeKernels:
+    """Typed bindings of the compiled library; callers pass contiguous float32/int64 tensors."""
+
+    def __init__(self, library: ctypes.CDLL):
+        for name, (argtypes, restype) in _SIGNATURES.items():
+            function = getattr(library, name)
+            function.argtypes, function.restype = argtypes, restype
+        self.library = library
+        self.strip = library.pd_strip_width()
+        self.linear = library.pd_linear
+        self.rope_store = library.pd_rope_store
+        self.decode_attention = library.pd_decode_attention
+        self.gather_kv = library.pd_gather_kv
+
+
+@functools.cache
+def native_kernels() -> NativeKernels | None:
+    """The process-wide bindings, or None where the library cannot be built."""
+    library = load_library()
+    return None if library is None else NativeKernels(library)
+
+
+@dataclass
+class PackedLinear:
+    """A projection packed for pd_linear: `packed[s, k, j]` is weight[s * strip + j, k]."""
+
+    packed: torch.Tensor
+    out_features: int
+    in_features: int
+    bias: torch.Tensor | None = None
+
+    @classmethod
+    def pack(cls, projection: Linear, strip: int) -> PackedLinear:
+        weight = projection.weight.float()
+        out_features, in_features = weight.shape
+        padded = -(-out_features // strip) * strip
+        if padded != out_features:
+            weight = F.pad(weight, (0, 0, 0, padded - out_features))
+        packed = weight.view(padded // strip, strip, in_features).transpose(1, 2).contiguous()
+        bias = None if projection.bias is None else projection.bias.float().contiguous()
+        return cls(packed, out_features, in_features, bias)
+
+    @property
+    def nbytes(self) -> int:
+        extra = 0 if self.bias is None else self.bias.numel() * 4
+        return self.out_features * self.in_features * 4 + extra
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """weight[ids] as [len(ids), in_features]: the tied embedding lookup."""
+        strip = self.packed.shape[-1]
+        return self.packed[ids // strip, :, ids % strip]
+
+
+def _ptr(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+class NativeOps:
+    """`engine.layer_ops.TorchOps`' interface on the native kernels (float32, CPU)."""
+
+    name = "native"
+
+    def __init__(self, kernels: NativeKernels, eps: float):
+        self.kernels = kernels
+        self.eps = eps
+        self.threads = torch.get_num_threads()
+        self._scratch = torch.empty(0)
+
+    def prepare_linear(self, projection: Linear) -> PackedLinear:
+        return PackedLinear.pack(projection, self.kernels.strip)
+
+    def begin_step(self) -> None:
+        # Per step, from the thread that runs it: torch's thread count is per thread.
+        self.threads = torch.get_num_threads()
+
+    def embed(self, input_ids: torch.Tensor, table) -> torch.Tensor:
+        if isinstance(table, PackedLinear):
+            return table.rows(input_ids).contiguous()
+        return F.embedding(input_ids, table.weight).to(RESIDUAL_DTYPE)
+
+    def _scratch_for(self, rows: int, cols: int) -> torch.Tensor:
+        if self._scratch.numel() < rows * cols:
+            self._scratch = torch.empty(rows * cols, dtype=torch.float32)
+        return self._scratch
+
+    def _linear(self, x, projection: PackedLinear, out, prologue, norm_weight, accumulate):
+        rows, k = x.shape[0], projection.in_features
+        scratch = self._scratch_for(rows, k) if prologue != PROLOGUE_NONE else None
+        self.kernels.linear(
+            x.data_ptr(),
+            x.stride(0),
+            rows,
+            k,
+            projection.packed.data_ptr(),
+            projection.out_features,
+            _ptr(projection.bias),
+            prologue,
+            _ptr(norm_weight),
+            self.eps,
+            _ptr(scratch),
+            out.data_ptr(),
+            out.stride(0),
+            int(accumulate),
+            self.threads,
+        )
+
+    def norm_linear(self, residual, norm_weight, projection: PackedLinear) -> torch.Tensor:
+        out = torch.empty(residual.shape[0], projection.out_features)
+        self._linear(residual, projection, out, PROLOGUE_RMSNORM, norm_weight, False)
+        return out
+
+    def linear_add(self, x, projection: PackedLinear, residual: torch.Tensor) -> None:
+        self._linear(x, projection, residual, PROLOGUE_NONE, None, True)
+
+    def glu_linear_add(self, gate_up, projection: PackedLinear, residual: torch.Tensor) -> None:
+        self._linear(gate_up, projection, residual, PROLOGUE_SILU_MUL, None, True)
+
+    def rope_store(self, qkv, positions, rope, kv_pool, layer: int, meta, sizes: HeadSizes):
+        num_tokens = qkv.shape[0]
+        keys, values = kv_pool.layer_view(layer, 0), kv_pool.layer_view(layer, 1)
+        self.kernels.rope_store(
+            qkv.data_ptr(),
+            qkv.stride(0),
+            num_tokens,
+            sizes.num_heads,
+            sizes.num_kv_heads,
+            sizes.head_dim,
+            positions.data_ptr(),
+            rope.cos.data_ptr(),
+            rope.sin.data_ptr(),
+            keys.data_ptr(),
+            values.data_ptr(),
+            keys.stride(0),
+            meta.slot_blocks.data_ptr(),
+            meta.slot_offsets.data_ptr(),
+            self.threads,
+        )
+        q, k, v = qkv.split(sizes.split, dim=-1)
+        return (
+            q.view(num_tokens, sizes.num_heads, sizes.head_dim),
+            k.view(num_tokens, sizes.num_kv_heads, sizes.head_dim),
+            v.view(num_tokens, sizes.num_kv_heads, sizes.head_dim),
+        )

@@ -1,0 +1,195 @@
+"""Every execution path of the forward agrees: native CPU kernels, torch ops, each
+attention backend available here; float32 greedy output equals transformers' on each."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.attention import TorchPagedAttention, make_attention_backend
+from engine.layer_ops import Linear
+from engine.model import LlamaForward
+from engine.model_runner import ModelRunner
+from engine.native.ops import (
+    PROLOGUE_NONE,
+    PROLOGUE_RMSNORM,
+    PROLOGUE_SILU_MUL,
+    NativeOps,
+    native_kernels,
+)
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledChunk
+from tests.conftest import assert_no_leaks, make_engine
+from tests.factories import hf_greedy
+from tests.test_engine_correctness import prompt_of
+
+needs_native = pytest.mark.skipif(native_kernels() is None, reason="no C compiler here")
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def with_kernels(engine, kernels: str, attention: str = "auto"):
+    """The same engine, its forward rebuilt on another kernel set / attention backend."""
+    engine.model = LlamaForward(
+        engine.model_dir,
+        engine.spec,
+        engine.config.torch_dtype,
+        engine.config.device,
+        max_positions=engine.max_model_len,
+        attention=attention,
+        kernels=kernels,
+    )
+    engine.runner = ModelRunner(engine.model, engine.kv_pool)
+    return engine
+
+
+def reference_linear(x, projection: Linear, prologue, norm_weight, eps):
+    x = x.double()
+    if prologue == PROLOGUE_RMSNORM:
+        x = F.rms_norm(x, (x.shape[-1],), norm_weight.double(), eps)
+    elif prologue == PROLOGUE_SILU_MUL:
+        gate, up = x.chunk(2, dim=-1)
+        x = F.silu(gate) * up
+    bias = None if projection.bias is None else projection.bias.double()
+    return F.linear(x, projection.weight.double(), bias)
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 3, 7, 16, 20])
+@pytest.mark.parametrize("out_features", [37, 96])
+@pytest.mark.parametrize("prologue", [PROLOGUE_NONE, PROLOGUE_RMSNORM, PROLOGUE_SILU_MUL])
+def test_native_linear_matches_float64(rows, out_features, prologue):
+    """Every tile height, a strip tail (37 columns), bias, accumulate, both prologues."""
+    generator = torch.Generator().manual_seed(rows * 100 + out_features + prologue)
+    in_features = 300 if prologue != PROLOGUE_SILU_MUL else 150
+    width = 2 * in_features if prologue == PROLOGUE_SILU_MUL else in_features
+    x = torch.randn(rows, width, generator=generator)
+    projection = Linear(
+        torch.randn(out_features, in_features, generator=generator),
+        torch.randn(out_features, generator=generator),
+    )
+    norm_weight = torch.rand(in_features, generator=generator) + 0.5
+    ops = NativeOps(native_kernels(), eps=1e-5)
+    packed = ops.prepare_linear(projection)
+    start = torch.randn(rows, out_features, generator=generator)
+    out = start.clone()
+
+    ops._linear(x, packed, out, prologue, norm_weight, accumulate=True)
+
+    expected = start.double() + reference_linear(x, projection, prologue, norm_weight, 1e-5)
+    torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-5)
+
+
+@needs_native
+def test_packed_lm_head_serves_the_tied_embedding(tiny_model_dirs):
+    engine = make_engine(tiny_model_dirs["qwen2"])
+    weights = engine.model.weights
+    assert weights.embed is weights.lm_head
+    ids = torch.tensor([0, 5, 17, 383, 5])
+    dense = weights.lm_head.packed.transpose(1, 2).reshape(-1, weights.lm_head.in_features)
+    assert torch.equal(engine.model.ops.embed(ids, weights.embed), dense[ids])
+
+
+@pytest.mark.parametrize("kernels", ["native", "torch"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_each_kernel_set_matches_transformers(tiny_model_dirs, family, kernels):
+    if kernels == "native" and native_kernels() is None:
+        pytest.skip("no C compiler here")
+    model_dir = tiny_model_dirs[family]
+    engine = with_kernels(make_engine(model_dir), kernels)
+    assert engine.model.ops.name == kernels
+    prompts = [prompt_of(n, salt=5) for n in (7, 30)]
+
+    outputs = engine.generate(prompts, GREEDY)
+
+    for prompt, seq in zip(prompts, outputs, strict=True):
+        assert seq.output_token_ids == hf_greedy(model_dir, prompt, 24)[0]
+    assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("kernels", ["native", "torch"])
+def test_chunked_prefill_after_context_matches_one_shot(tiny_llama_dir, kernels):
+    """Chunks after cached context gather it (pd_gather_kv or index_select)."""
+    if kernels == "native" and native_kernels() is None:
+        pytest.skip("no C compiler here")
+    one_shot = with_kernels(make_engine(tiny_llama_dir), kernels)
+    chunked = with_kernels(
+        make_engine(tiny_llama_dir, prefill_chunk_size=7, max_batch_tokens=16), kernels
+    )
+    prompts = [prompt_of(n, salt=6) for n in (9, 30)]
+
+    expected = [s.output_token_ids for s in one_shot.generate(prompts, GREEDY)]
+    actual = [s.output_token_ids for s in chunked.generate(prompts, GREEDY)]
+
+    assert actual == expected
+    assert_no_leaks(chunked)
+
+
+def _decode_step_inputs(engine, lengths):
+    """Prefill sequences of `lengths`, then the metadata of their next decode step."""
+    for i, length in enumerate(lengths):
+        engine.add_request(f"seq-{i}", prompt_of(length, salt=7), GREEDY)
+    engine.step()
+    chunks = [ScheduledChunk(seq, 1) for seq in engine.sequences.values()]
+    for chunk in chunks:
+        chunk.seq.block_ids += engine.allocator.allocate(1, chunk.seq.request_id)
+    return chunks
+
+
+def available_backends(dtype: torch.dtype) -> list[str]:
+    names = []
+    for name in ("torch", "native", "flash"):
+        try:
+            make_attention_backend(name, dtype, "cpu")
+        except ValueError:
+            continue
+        names.append(name)
+    return names
+
+
+def test_every_available_attention_backend_agrees_on_a_decode_step(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+    chunks = _decode_step_inputs(engine, [5, 8, 17, 30])
+    meta = engine.runner.build_step(chunks).meta
+    spec = engine.spec
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(len(chunks), spec.num_heads, spec.head_dim, generator=generator)
+    new_kv = torch.randn(len(chunks), spec.num_kv_heads, spec.head_dim, generator=generator)
+    engine.kv_pool.write_slots(1, meta.slot_blocks, meta.slot_offsets, new_kv, -new_kv)
+    scale = spec.head_dim**-0.5
+
+    reference = TorchPagedAttention().forward(q, new_kv, -new_kv, engine.kv_pool, 1, meta, scale)
+    backends = available_backends(torch.float32)
+    assert "torch" in backends
+    for name in backends:
+        backend = make_attention_backend(name, torch.float32, "cpu")
+        out = backend.forward(q, new_kv, -new_kv, engine.kv_pool, 1, meta, scale)
+        torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5, msg=name)
+    for chunk in chunks:
+        engine.abort(chunk.seq.request_id)
+    assert_no_leaks(engine)
+
+
+def test_decode_graph_buckets_pad_without_changing_logits(tiny_llama_dir):
+    """The CUDA-graph runner's padding (to batch and table-width buckets, repeating the
+    last row), run eagerly: logits of the real rows equal the unpadded step's."""
+    from engine.cuda_graphs import DecodeGraphs, bucket_for, width_buckets
+
+    engine = make_engine(tiny_llama_dir)
+    chunks = _decode_step_inputs(engine, [5, 17, 30])
+    step = engine.runner.build_step(chunks)
+    graphs = DecodeGraphs(engine.model, engine.kv_pool, capture=False)
+    assert graphs.covers(step)
+    assert bucket_for(3, (1, 2, 4)) == 4 and bucket_for(5, (1, 2, 4)) is None
+    assert width_buckets(6) == (1, 2, 4, 6)
+
+    expected = engine.model.forward(
+        step.input_ids, step.positions, step.meta, engine.kv_pool, step.logits_rows
+    )
+    padded = graphs.run(step)
+
+    assert set(graphs.steps) == {(4, 4)}
+    torch.testing.assert_close(padded, expected, atol=1e-5, rtol=1e-5)
+    for chunk in chunks:
+        engine.abort(chunk.seq.request_id)
+    assert_no_leaks(engine)
