@@ -20,13 +20,12 @@ importable (`engine.flash_attention`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-AttentionChoice = Literal["auto", "torch", "native", "flash"]
-ATTENTION_CHOICES = ("auto", "torch", "native", "flash")
+from engine.config import ATTENTION_CHOICES
+from engine.config import AttentionBackendName as AttentionChoice
 
 
 @dataclass

@@ -9,8 +9,13 @@ from engine.platform import auto_dtype
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
+Kernels = Literal["auto", "native", "torch"]
+AttentionBackendName = Literal["auto", "torch", "native", "flash"]
+
 # Names only: importing torch here would make every CLI start pay for it.
 TORCH_DTYPES = ("float32", "bfloat16", "float16")
+KERNEL_CHOICES = ("auto", "native", "torch")
+ATTENTION_CHOICES = ("auto", "torch", "native", "flash")
 
 
 @dataclass(frozen=True)
@@ -37,8 +42,20 @@ class EngineConfig:
     """Longest prompt + output; defaults to the model's context window."""
     num_threads: int | None = None
     """torch intra-op threads for this engine; None leaves torch's default."""
+    kernels: Kernels = "auto"
+    """Layer ops: `native` float32 CPU kernels (compiled once, cached), `torch`, or `auto`
+    (native where it applies)."""
+    attention_backend: AttentionBackendName = "auto"
+    """Paged attention: `torch`, `native` (float32 CPU), `flash` (CUDA + flash-attn), or
+    `auto` (the fastest one available)."""
+    cuda_graphs: bool = True
+    """Replay captured CUDA graphs for decode steps (CUDA devices only; ignored on CPU)."""
 
     def __post_init__(self) -> None:
+        _check_choice("kernels", self.kernels, KERNEL_CHOICES)
+        _check_choice("attention_backend", self.attention_backend, ATTENTION_CHOICES)
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be true or false, got {self.cuda_graphs!r}")
         if self.dtype != "auto" and self.dtype not in TORCH_DTYPES:
             raise ValueError(
                 f"dtype must be 'auto' or one of {sorted(TORCH_DTYPES)}, got {self.dtype!r}"
@@ -72,3 +89,8 @@ class EngineConfig:
         import torch
 
         return getattr(torch, self.resolved_dtype)
+
+
+def _check_choice(name: str, value, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")

@@ -14,17 +14,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
+from engine.config import KERNEL_CHOICES
+from engine.config import Kernels as KernelChoice
 from engine.linear import linear
 
 logger = logging.getLogger(__name__)
 
-KernelChoice = Literal["auto", "native", "torch"]
-KERNEL_CHOICES = ("auto", "native", "torch")
+__all__ = ["KERNEL_CHOICES", "HeadSizes", "KernelChoice", "Linear", "TorchOps", "make_layer_ops"]
 RESIDUAL_DTYPE = torch.float32
 
 
