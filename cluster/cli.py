@@ -25,7 +25,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         default="auto",
         choices=["auto", "bfloat16", "float16", "float32"],
-        help="weights and KV dtype (auto: bfloat16 where the hardware is fast at it, else float32)",
+        help="weights and KV dtype (auto: bfloat16 or float16 on GPUs, float32 on CPUs, exact against transformers)",
     )
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: torch's)"

@@ -5,6 +5,10 @@ await cluster.start()
 async for chunk in cluster.generate("Hello", SamplingParams(max_tokens=16)):
     print(chunk.text, end="")
 await cluster.shutdown()
+
+Callers that must react to their own client going away (the HTTP frontend) split
+`generate` in two: `open_request` admits the request and returns its owner, `run`
+streams it, and `ClusterRequest.close` may be called from outside at any time.
 """
 
 from __future__ import annotations
@@ -19,11 +23,14 @@ from collections.abc import AsyncIterator, Callable
 
 from cluster.config import ClusterConfig
 from cluster.controller import Controller
-from cluster.request_flow import GenerationChunk, RequestFlow
+from cluster.request import ClusterRequest, GenerationChunk
+from cluster.request_flow import RequestFlow
 from cluster.router import Router
 from cluster.timeline import RequestTimeline
 from engine import envs
+from engine.block_manager import blocks_needed
 from engine.demo_model import resolve_model
+from engine.errors import InvalidRequestError
 from engine.model_spec import load_model_spec
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
@@ -50,12 +57,13 @@ class PDCluster:
         self.tokenizer = Tokenizer(model_dir)
         context = load_model_spec(model_dir, self.model_id).context_window
         self.max_model_len = min(config.max_model_len or context, context)
+        config.check_pools(self.max_model_len)
         self.controller = Controller(config)
         self.router = Router(config.router_policy, self.controller.workers)
         self.flow = RequestFlow(config, self.router, self.controller.mark_dead)
-        self.on_finish: list[Callable[[RequestTimeline, GenerationChunk], None]] = []
-        """Observers (metrics), called once per request however it ends (done, failed,
-        cancelled) with its timeline and last chunk (None when no token came)."""
+        self.on_finish: list[Callable[[ClusterRequest], None]] = []
+        """Observers (metrics), called once per request however it ended (finished,
+        failed, cancelled, timed out), with the closed request."""
         self._ids = itertools.count()
 
     async def start(self) -> PDCluster:
@@ -74,32 +82,90 @@ class PDCluster:
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
 
+    # --- requests -----------------------------------------------------------------------
+
+    def open_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> ClusterRequest:
+        """Admit a request (text prompts are tokenized here, no chat template); raises
+        InvalidRequestError for one that no worker of this cluster could ever serve."""
+        request_id = request_id or self.new_request_id()
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.check_fits(request_id, prompt_ids, params)
+        req = ClusterRequest(
+            request_id, prompt_ids, params, RequestTimeline(request_id, time.monotonic())
+        )
+        req.on_close.extend(self.on_finish)
+        return req
+
+    def check_fits(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise InvalidRequestError("prompt is empty", request_id)
+        wanted = len(prompt_ids) + params.max_tokens
+        if wanted > self.max_model_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the "
+                f"request needs {wanted} ({len(prompt_ids)} prompt + {params.max_tokens} "
+                "max_tokens)",
+                request_id,
+            )
+        pools = {"decode": (self.config.decode_kv_blocks, wanted)}
+        if self.config.mode == "disaggregated":
+            pools["prefill"] = (self.config.prefill_kv_blocks, len(prompt_ids) + 1)
+        for role, (blocks, tokens) in pools.items():
+            if blocks_needed(tokens, self.config.block_size) > blocks:
+                raise InvalidRequestError(
+                    f"{tokens} tokens do not fit a {role} worker's KV pool ({blocks} blocks "
+                    f"of {self.config.block_size})",
+                    request_id,
+                )
+
+    async def run(self, req: ClusterRequest) -> AsyncIterator[GenerationChunk]:
+        """Stream an opened request, and close it when the stream ends, however it ends.
+        Raises `RequestTimeoutError` past `request_timeout_s` (the request is aborted)."""
+        deadline = time.monotonic() + self.config.request_timeout_s
+        stream = self.flow.run(req)
+        reason = "error"
+        try:
+            while True:
+                try:
+                    chunk = await asyncio.wait_for(anext(stream), deadline - time.monotonic())
+                except StopAsyncIteration:
+                    reason = "finished"
+                    return
+                except asyncio.TimeoutError:
+                    reason = "timeout"
+                    raise RequestTimeoutError(
+                        req.request_id, self.config.request_timeout_s
+                    ) from None
+                yield self._stamp(req, chunk)
+        except (GeneratorExit, asyncio.CancelledError):
+            reason = "cancelled"
+            raise
+        finally:
+            await stream.aclose()
+            req.close(reason)
+
     async def generate(
         self,
         prompt: str | list[int],
         params: SamplingParams,
         request_id: str | None = None,
     ) -> AsyncIterator[GenerationChunk]:
-        """Stream a generation; text prompts are tokenized here (no chat template).
-        Raises `RequestTimeoutError` past `request_timeout_s` (the request is aborted)."""
-        request_id = request_id or self.new_request_id()
-        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        timeline = RequestTimeline(request_id, arrival=time.time())
-        deadline = time.monotonic() + self.config.request_timeout_s
-        stream = self.flow.run(request_id, prompt_ids, params, timeline)
-        last: GenerationChunk | None = None
-        try:
-            while True:
-                try:
-                    chunk = await asyncio.wait_for(anext(stream), deadline - time.monotonic())
-                except StopAsyncIteration:
-                    return
-                except asyncio.TimeoutError:
-                    raise RequestTimeoutError(request_id, self.config.request_timeout_s) from None
-                last = chunk
-                yield chunk
-        finally:
-            await stream.aclose()
-            # Cancelled and failed requests too: their tokens and KV transfers happened.
-            for observer in self.on_finish:
-                observer(timeline, last)
+        """Stream a generation: `open_request` then `run`."""
+        req = self.open_request(prompt, params, request_id)
+        async for chunk in self.run(req):
+            yield chunk
+
+    @staticmethod
+    def _stamp(req: ClusterRequest, chunk: GenerationChunk) -> GenerationChunk:
+        timeline = req.timeline
+        now = time.monotonic()
+        timeline.stamp_token(now, len(chunk.token_ids))
+        timeline.num_output_tokens = chunk.num_output_tokens
+        chunk.num_prompt_tokens = len(req.prompt_ids)
+        if chunk.finished:
+            timeline.finish = now
+            chunk.timings = timeline.breakdown()
+        req.last_chunk = chunk
+        return chunk

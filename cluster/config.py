@@ -10,17 +10,17 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import yaml
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ModelSettings
+from engine.worker_spec import TransferFailurePolicy, WorkerRole, WorkerSpec
 
 Mode = Literal["disaggregated", "colocated"]
 TransportName = Literal["auto", "shm", "collective", "grpc", "local"]
 RouterPolicy = Literal["round_robin", "least_loaded", "power_of_two"]
 FirstTokenFrom = Literal["prefill", "decode"]
-TransferFailurePolicy = Literal["recompute", "fail"]
 
 
 class ConfigError(ValueError):
@@ -28,37 +28,24 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
-class ClusterConfig:
-    """Everything needed to start a pdserve cluster."""
+class ClusterConfig(ModelSettings):
+    """Everything needed to start a pdserve cluster. The model and batching fields come
+    from `ModelSettings` (engine/config.py) and are the same on every worker."""
 
-    model: str = "demo"
-    """`demo` or a local HF model directory; the same on every worker."""
-    dtype: str = "auto"
-    """Weights/KV dtype: auto, float32, bfloat16, float16."""
     mode: Mode = "disaggregated"
     """`disaggregated` (prefill and decode pools) or `colocated` (one worker does both)."""
     prefill_workers: int = 1
     """Prefill workers (disaggregated mode)."""
     decode_workers: int = 1
-    """In colocated mode, this many colocated workers."""
+    """Decode workers (in colocated mode: colocated workers, each prefilling and decoding)."""
     threads_per_worker: int = 1
     """torch threads per worker on CPU (keep workers x threads <= cores)."""
     gpus_per_worker: float = 0.0
     """GPUs per worker on GPU pools; 0 runs on CPU."""
-    block_size: int = 16
-    """Tokens per KV block (the same on both pools: blocks move between them)."""
     prefill_kv_blocks: int = 1024
     """KV blocks per prefill worker (holds prompts until their KV is exported and acked)."""
     decode_kv_blocks: int = 2048
     """KV blocks per decode (or colocated) worker: its admission capacity."""
-    max_num_seqs: int = 64
-    """Most sequences in one engine step."""
-    max_batch_tokens: int = 2048
-    """Most tokens (prefill pieces + decode tokens) in one engine step."""
-    prefill_chunk_size: int = 512
-    """Longest piece of one prompt per step; longer prompts are chunked."""
-    max_model_len: int | None = None
-    """Longest prompt + output; defaults to the model's context window."""
     transport: TransportName = "auto"
     """KV transport: `auto` (shm on one node, collective across nodes), shm, collective, grpc, local."""
     transport_options: dict = field(default_factory=dict)
@@ -93,6 +80,10 @@ class ClusterConfig:
     """Secret every worker-to-worker KV call carries; the cluster fills in a random one."""
 
     def __post_init__(self) -> None:
+        try:
+            super().__post_init__()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
         _check_literals(self)
         if self.mode == "disaggregated" and self.prefill_workers < 1:
             raise ConfigError("prefill_workers must be >= 1 in disaggregated mode")
@@ -114,11 +105,40 @@ class ClusterConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
+        self._check_transport()
         try:
             self.engine_config("decode")
             self.engine_config("prefill")
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
+
+    def _check_transport(self) -> None:
+        """A transport that cannot connect two worker processes would make every request
+        silently recompute on its decode worker: refuse it before anything starts."""
+        from kv_transfer.registry import CROSS_PROCESS_TRANSPORTS
+
+        if self.mode == "disaggregated" and self.transport not in CROSS_PROCESS_TRANSPORTS:
+            raise ConfigError(
+                f"transport {self.transport!r} moves KV only within one process, and prefill "
+                f"and decode workers are separate processes; use one of "
+                f"{sorted(CROSS_PROCESS_TRANSPORTS)}"
+            )
+        self.kv_transport_options()
+
+    def check_pools(self, max_model_len: int) -> None:
+        """Called by the cluster once the model's context is known: every pool must hold
+        one sequence of `max_model_len` tokens, or some valid requests could never run."""
+        needed = -(-max_model_len // self.block_size)
+        pools = {"decode_kv_blocks": self.decode_kv_blocks}
+        if self.mode == "disaggregated":
+            pools["prefill_kv_blocks"] = self.prefill_kv_blocks
+        for name, blocks in pools.items():
+            if blocks < needed:
+                raise ConfigError(
+                    f"{name}={blocks} cannot hold one {max_model_len}-token sequence "
+                    f"({needed} blocks of {self.block_size}); raise {name} to at least "
+                    f"{needed} or lower max_model_len"
+                )
 
     @property
     def device(self) -> str:
@@ -126,23 +146,19 @@ class ClusterConfig:
 
     def engine_config(self, role: Literal["prefill", "decode"]) -> EngineConfig:
         """The engine settings of one worker of `role` (colocated workers use `decode`)."""
+        shared = {f.name: getattr(self, f.name) for f in fields(ModelSettings)}
         blocks = self.prefill_kv_blocks if role == "prefill" else self.decode_kv_blocks
         return EngineConfig(
-            model=self.model,
-            dtype=self.dtype,
+            **shared,
             device=self.device,
-            block_size=self.block_size,
             num_kv_blocks=blocks,
-            max_num_seqs=self.max_num_seqs,
-            max_batch_tokens=self.max_batch_tokens,
-            prefill_chunk_size=self.prefill_chunk_size,
-            max_model_len=self.max_model_len,
             num_threads=self.threads_per_worker,
         )
 
-    def kv_transport_options(self, node_ip: str | None = None):
-        """`kv_transfer` options of one worker, built inside it. A worker whose KV servers
-        bind every interface advertises its own node's address to peers."""
+    def kv_transport_options(self):
+        """The validated `kv_transfer.TransportOptions` every prefill and decode worker
+        gets (each worker fills in its own node's address where its servers bind every
+        interface, see `WorkerSpec.transport_options_on`)."""
         from kv_transfer.config import FaultOptions, TransportOptions
 
         settings = {
@@ -151,12 +167,24 @@ class ClusterConfig:
             "token": self.cluster_token or "",
         }
         settings.update(self.transport_options)
-        binds_all = settings.get("bind_host") in ("0.0.0.0", "::")
-        if binds_all and not settings.get("advertise_host") and node_ip:
-            settings["advertise_host"] = node_ip
         if isinstance(settings.get("faults"), dict):
             settings["faults"] = FaultOptions(**settings["faults"])
-        return TransportOptions(**settings)
+        try:
+            return TransportOptions(**settings)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"transport_options: {exc}") from exc
+
+    def worker_spec(self, worker_id: str, role: WorkerRole) -> WorkerSpec:
+        """What the controller hands the worker `worker_id` at start."""
+        return WorkerSpec(
+            worker_id=worker_id,
+            role=role,
+            engine=self.engine_config("prefill" if role == "prefill" else "decode"),
+            transport=self.transport,
+            transport_options=None if role == "colocated" else self.kv_transport_options(),
+            transfer_timeout_s=self.transfer_timeout_s,
+            on_transfer_failure=self.on_transfer_failure,
+        )
 
     def replace(self, **changes: Any) -> ClusterConfig:
         return dataclasses.replace(self, **changes)
@@ -185,15 +213,10 @@ class ClusterConfig:
 
 
 def _check_literals(config: ClusterConfig) -> None:
-    hints = {
-        "mode": Mode,
-        "transport": TransportName,
-        "router_policy": RouterPolicy,
-        "first_token_from": FirstTokenFrom,
-        "on_transfer_failure": TransferFailurePolicy,
-    }
-    for name, literal in hints.items():
-        allowed = get_args(literal)
+    for name, hint in get_type_hints(type(config)).items():
+        if get_origin(hint) is not Literal:
+            continue
+        allowed = get_args(hint)
         if getattr(config, name) not in allowed:
             raise ConfigError(
                 f"{name} must be one of {list(allowed)}, got {getattr(config, name)!r}"

@@ -97,13 +97,13 @@ class Controller:
             # Keep BLAS/OpenMP pools at the configured size: workers share the cores.
             runtime_env={"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}},
         )
-        if role == "prefill":
-            return ray.remote(PrefillWorker).options(**options).remote(worker_id, self.config)
-        return ray.remote(DecodeWorker).options(**options).remote(worker_id, self.config, role)
+        spec = self.config.worker_spec(worker_id, role)
+        actor = PrefillWorker if role == "prefill" else DecodeWorker
+        return ray.remote(actor).options(**options).remote(spec)
 
     async def _first_health(self, worker: WorkerInfo) -> None:
         worker.load = await worker.handle.check_health.remote()
-        logger.info("worker %s ready: %s", worker.worker_id, worker.load)
+        logger.info("worker %s ready (pid %s)", worker.worker_id, worker.load.pid)
 
     async def shutdown(self) -> None:
         if self.watch_task is not None:
@@ -166,7 +166,6 @@ class Controller:
                     "restart %d of %s failed: %r", worker.restarts, worker.worker_id, exc
                 )
                 continue
-            worker.in_flight = 0
             worker.alive = True
             logger.info(
                 "worker %s restarted (%d/%d)",

@@ -1,20 +1,26 @@
 """OpenAI-compatible HTTP frontend over a `PDCluster` (FastAPI + uvicorn).
 
-A request's path here: auth and size checks -> JSON parse and validation (4xx on
-bad input, the server keeps serving) -> admission against a bounded number of
-in-flight requests (429 + Retry-After past it) -> tokenize / chat template ->
-`cluster.generate` streamed out as SSE chunks or collected into one response.
-A client that disconnects cancels the stream, which aborts the request on its
-workers and frees its KV blocks.
+A request's path here: auth -> body read, size and nesting checks, JSON parse and
+validation (4xx on bad input, the server keeps serving) -> tokenize / chat template
+-> `cluster.open_request` (400 for what no worker can hold) -> admission against a
+bounded number of in-flight requests (429 + Retry-After past it), counted from here
+until the request closes -> `cluster.run` streamed out as SSE chunks or collected
+into one response. Whichever way the client goes away (a closed stream, a dropped
+non-streaming connection), the request is closed, which aborts it on its workers and
+frees its KV blocks at once.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import hmac
 import json
 import logging
+import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -22,12 +28,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.sse import format_sse_event
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster.cluster import PDCluster
+from cluster.cluster import PDCluster, RequestTimeoutError
 from cluster.metrics import ClusterMetrics
-from cluster.openai_protocol import ApiError, ParsedRequest, parse_body
-from cluster.request_flow import GenerationChunk, TransferFailedError
+from cluster.openai_protocol import ApiError, ParsedRequest, parse_body, read_json
+from cluster.request import ClusterRequest, GenerationChunk, RequestFailedError
 from cluster.router import NoLiveWorkerError
 from engine import envs
+from engine.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +53,11 @@ class FrontendSettings:
             raise ValueError("max_body_bytes and max_in_flight must be positive")
 
 
+_CLIENT_TAG = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+OUTCOME_BY_CLOSE = {"finished": "ok", "cancelled": "cancelled", "timeout": "timeout"}
+STATUS_BY_KIND = {"invalid_request": 400, "transfer_failed": 503, "aborted": 503}
+
+
 def build_app(
     cluster: PDCluster,
     settings: FrontendSettings | None = None,
@@ -53,7 +65,7 @@ def build_app(
 ) -> FastAPI:
     settings = settings or FrontendSettings(api_key=envs.api_key())
     metrics = metrics or ClusterMetrics(cluster.controller)
-    cluster.on_finish.append(lambda timeline, _chunk: metrics.observe_timeline(timeline))
+    cluster.on_finish.append(lambda req: metrics.observe_timeline(req.timeline))
     handler = OpenAIHandler(cluster, settings, metrics)
     app = FastAPI(title="pdserve", summary="Disaggregated prefill/decode LLM serving")
     app.state.handler = handler
@@ -103,18 +115,29 @@ class OpenAIHandler:
         self.settings = settings
         self.metrics = metrics
         self.in_flight = 0
+        """Admitted requests not yet closed."""
         self.model_names = {cluster.model_id, cluster.config.model}
 
     # --- small endpoints --------------------------------------------------------------
 
-    def health(self) -> JSONResponse:
-        live = {
+    def live_workers(self) -> dict[str, int]:
+        return {
             role: len(self.cluster.router.live(role)) for role in ("prefill", "decode", "colocated")
         }
-        ready = (live["prefill"] and live["decode"]) or live["colocated"]
+
+    def health(self) -> JSONResponse:
+        """200 while requests can be served. With decode workers but no prefill worker the
+        cluster is `degraded`: decode workers prefill prompts themselves."""
+        live = self.live_workers()
+        if live["colocated"] or (live["prefill"] and live["decode"]):
+            status = "ok"
+        elif live["decode"]:
+            status = "degraded"
+        else:
+            status = "unavailable"
         return JSONResponse(
-            {"status": "ok" if ready else "unavailable", "workers": live},
-            status_code=200 if ready else 503,
+            {"status": status, "workers": live},
+            status_code=503 if status == "unavailable" else 200,
         )
 
     def models(self) -> dict:
@@ -126,24 +149,27 @@ class OpenAIHandler:
                     "object": "model",
                     "created": 0,
                     "owned_by": "pdserve",
+                    "max_model_len": self.cluster.max_model_len,
                 }
             ],
         }
 
     async def workers(self) -> dict:
-        """Drills and operators: every worker's liveness, process, restarts and KV held."""
+        """Drills and operators: every worker's liveness, process, restarts, KV held, and
+        how each decode worker's last import from each prefill worker arrived."""
         states = await self.cluster.controller.debug_states()
         rows = []
         for worker in self.cluster.controller.workers.values():
-            load = worker.load or {}
+            load = worker.load
             rows.append(
                 {
                     "worker_id": worker.worker_id,
                     "role": worker.role,
                     "alive": worker.alive,
                     "restarts": worker.restarts,
-                    "pid": load.get("pid"),
-                    "node_id": load.get("node_id"),
+                    "pid": load.pid if load else None,
+                    "node_id": load.node_id if load else None,
+                    "last_transfer": load.last_transfer if load else {},
                     **states.get(worker.worker_id, {}),
                 }
             )
@@ -151,7 +177,10 @@ class OpenAIHandler:
 
     def authorize(self, request: Request) -> None:
         key = self.settings.api_key
-        if key and request.headers.get("authorization", "") != f"Bearer {key}":
+        if not key:
+            return
+        sent = request.headers.get("authorization", "").encode("utf-8", "surrogateescape")
+        if not hmac.compare_digest(sent, f"Bearer {key}".encode()):
             raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')")
 
     # --- generation -------------------------------------------------------------------
@@ -159,36 +188,45 @@ class OpenAIHandler:
     async def handle(self, request: Request, kind: str):
         endpoint = "chat" if kind == "chat" else "completions"
         try:
-            self.authorize(request)
-            parsed = parse_body(kind, await self._read_json(request))
-            self._check_model(parsed.model)
-            prompt_ids = self._prompt_ids(parsed)
-            self._admit()
+            req, parsed = await self._open(request, kind)
         except ApiError as exc:
             self.metrics.observe_outcome(
                 "rejected" if exc.status in (429, 503) else "error", endpoint
             )
             raise
-        request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        stream = self._generate(request_id, prompt_ids, parsed, endpoint)
+        req.on_close.append(lambda r: self._closed(r, endpoint))
         if parsed.stream:
-            return StreamingResponse(
-                self._sse(stream, request_id, parsed, len(prompt_ids)),
+            return OwnedStreamingResponse(
+                self._sse(req, parsed),
+                on_close=lambda: req.close("cancelled"),
                 media_type="text/event-stream",
             )
-        return await self._collect(stream, request_id, parsed, len(prompt_ids))
+        return await self._collect_until_disconnect(request, req, parsed)
 
-    async def _read_json(self, request: Request):
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > self.settings.max_body_bytes:
-            raise ApiError(413, f"request body over {self.settings.max_body_bytes} bytes")
-        raw = await request.body()
-        if len(raw) > self.settings.max_body_bytes:
-            raise ApiError(413, f"request body over {self.settings.max_body_bytes} bytes")
+    async def _open(self, request: Request, kind: str) -> tuple[ClusterRequest, ParsedRequest]:
+        """Everything before the request is admitted; raises ApiError, never anything else
+        for client input."""
         try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"malformed JSON body: {exc}") from None
+            self.authorize(request)
+            parsed = parse_body(kind, await read_json(request, self.settings.max_body_bytes))
+            self._check_model(parsed.model)
+            prompt_ids = self._prompt_ids(parsed)
+            request_id = _request_id(kind, request.headers.get("x-request-id"))
+            req = self.cluster.open_request(prompt_ids, parsed.params, request_id)
+        except ApiError:
+            raise
+        except InvalidRequestError as exc:
+            raise ApiError(400, exc.message, param="prompt") from None
+        except Exception as exc:  # a bug, not the client: a JSON 500, the server keeps going
+            logger.exception("request could not be opened")
+            raise ApiError(500, f"internal error: {type(exc).__name__}") from None
+        self._admit()
+        return req, parsed
+
+    def _closed(self, req: ClusterRequest, endpoint: str) -> None:
+        self.in_flight -= 1
+        outcome = OUTCOME_BY_CLOSE.get(req.close_reason or "", "error")
+        self.metrics.observe_outcome(outcome, endpoint)
 
     def _check_model(self, model: str) -> None:
         if model not in self.model_names:
@@ -202,27 +240,18 @@ class OpenAIHandler:
     def _prompt_ids(self, parsed: ParsedRequest) -> list[int]:
         tokenizer = self.cluster.tokenizer
         if parsed.kind == "chat":
-            prompt_ids = tokenizer.apply_chat_template(parsed.prompt)
-        elif isinstance(parsed.prompt, str):
-            prompt_ids = tokenizer.encode(parsed.prompt)
-        else:
-            prompt_ids = list(parsed.prompt)
-            if any(not 0 <= t < tokenizer.vocab_size for t in prompt_ids):
-                raise ApiError(
-                    400, f"prompt token ids must be in [0, {tokenizer.vocab_size})", param="prompt"
-                )
-        limit = self.cluster.max_model_len
-        wanted = len(prompt_ids) + parsed.params.max_tokens
-        if wanted > limit:
+            return tokenizer.apply_chat_template(parsed.prompt)
+        if isinstance(parsed.prompt, str):
+            return tokenizer.encode(parsed.prompt)
+        prompt_ids = list(parsed.prompt)
+        if any(not 0 <= t < tokenizer.vocab_size for t in prompt_ids):
             raise ApiError(
-                400,
-                f"this model's maximum context length is {limit} tokens; the request needs "
-                f"{wanted} ({len(prompt_ids)} prompt + {parsed.params.max_tokens} max_tokens)",
-                param="max_tokens" if len(prompt_ids) < limit else "prompt",
+                400, f"prompt token ids must be in [0, {tokenizer.vocab_size})", param="prompt"
             )
         return prompt_ids
 
     def _admit(self) -> None:
+        """Counts the request from here until it closes (`_closed`)."""
         if self.health().status_code != 200:
             raise ApiError(
                 503,
@@ -235,44 +264,55 @@ class OpenAIHandler:
                 f"server busy: {self.in_flight} requests in flight; retry shortly",
                 headers={"Retry-After": str(self.settings.retry_after_s)},
             )
-
-    async def _generate(
-        self, request_id, prompt_ids, parsed: ParsedRequest, endpoint: str
-    ) -> AsyncIterator[GenerationChunk]:
-        """The request's stream; counts the outcome however it ends."""
         self.in_flight += 1
-        outcome = "cancelled"
-        try:
-            async for chunk in self.cluster.generate(
-                prompt_ids, parsed.params, request_id=request_id
-            ):
-                yield chunk
-            outcome = "ok"
-        except (NoLiveWorkerError, TransferFailedError) as exc:
-            outcome = "error"
-            raise ApiError(
-                503,
-                str(exc),
-                kind="service_unavailable",
-                headers={"Retry-After": str(self.settings.retry_after_s)},
-            ) from exc
-        except TimeoutError as exc:
-            outcome = "timeout"
-            raise ApiError(504, str(exc), kind="timeout") from exc
-        except Exception:
-            outcome = "error"
-            raise
-        finally:
-            self.in_flight -= 1
-            self.metrics.observe_outcome(outcome, endpoint)
 
-    async def _collect(self, stream, request_id, parsed: ParsedRequest, num_prompt: int) -> dict:
+    async def _chunks(self, req: ClusterRequest) -> AsyncIterator[GenerationChunk]:
+        """The request's stream, with every failure turned into the ApiError to send."""
+        try:
+            async for chunk in self.cluster.run(req):
+                yield chunk
+        except Exception as exc:
+            raise self._api_error(exc) from exc
+
+    def _api_error(self, exc: Exception) -> ApiError:
+        retry = {"Retry-After": str(self.settings.retry_after_s)}
+        if isinstance(exc, NoLiveWorkerError):
+            return ApiError(503, str(exc), kind="service_unavailable", headers=retry)
+        if isinstance(exc, RequestTimeoutError):
+            return ApiError(504, str(exc), kind="timeout")
+        if isinstance(exc, RequestFailedError):
+            status = STATUS_BY_KIND.get(exc.kind, 500)
+            headers = retry if status == 503 else None
+            return ApiError(status, exc.message, headers=headers)
+        logger.error("request failed", exc_info=exc)
+        return ApiError(500, f"internal error: {type(exc).__name__}")
+
+    async def _collect_until_disconnect(
+        self, request: Request, req: ClusterRequest, parsed: ParsedRequest
+    ):
+        """A non-streaming request, closed as soon as its client goes away."""
+        collect = asyncio.ensure_future(self._collect(req, parsed))
+        gone = asyncio.ensure_future(_client_gone(request))
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not collect.done():
+                collect.cancel()
+                req.close("cancelled")
+                with contextlib.suppress(asyncio.CancelledError, ApiError):
+                    await collect
+        if collect.cancelled():
+            return Response(status_code=499)  # nobody is listening any more
+        return collect.result()
+
+    async def _collect(self, req: ClusterRequest, parsed: ParsedRequest) -> dict:
         text, last = [], None
-        async for chunk in stream:
+        async for chunk in self._chunks(req):
             text.append(chunk.text)
             last = chunk
         assert last is not None
-        usage = _usage(num_prompt, last.num_output_tokens)
+        usage = _usage(len(req.prompt_ids), last.num_output_tokens)
         if parsed.kind == "chat":
             choice = {
                 "index": 0,
@@ -287,19 +327,18 @@ class OpenAIHandler:
                 "finish_reason": last.finish_reason,
                 "logprobs": None,
             }
-        body = _envelope(request_id, parsed, final=True)
+        body = _envelope(req.request_id, parsed, final=True)
         body.update(choices=[choice], usage=usage, pdserve_timings=last.timings)
         return body
 
-    async def _sse(
-        self, stream, request_id, parsed: ParsedRequest, num_prompt: int
-    ) -> AsyncIterator[str]:
+    async def _sse(self, req: ClusterRequest, parsed: ParsedRequest) -> AsyncIterator[str]:
         first = True
+        num_prompt = len(req.prompt_ids)
         try:
-            async for chunk in stream:
+            async for chunk in self._chunks(req):
                 if not chunk.text and not chunk.finished:
                     continue  # nothing to show yet (a partial UTF-8 character or held-back stop text)
-                body = _envelope(request_id, parsed, final=False)
+                body = _envelope(req.request_id, parsed, final=False)
                 body["choices"] = [_delta_choice(parsed, chunk, first)]
                 first = False
                 if parsed.continuous_usage:
@@ -308,12 +347,54 @@ class OpenAIHandler:
                     body["pdserve_timings"] = chunk.timings
                 yield format_sse_event(data_str=json.dumps(body))
                 if chunk.finished and parsed.include_usage:
-                    usage = _envelope(request_id, parsed, final=False)
+                    usage = _envelope(req.request_id, parsed, final=False)
                     usage.update(choices=[], usage=_usage(num_prompt, chunk.num_output_tokens))
                     yield format_sse_event(data_str=json.dumps(usage))
         except ApiError as exc:
             yield format_sse_event(data_str=json.dumps(exc.body()))
         yield format_sse_event(data_str="[DONE]")
+
+
+class OwnedStreamingResponse(StreamingResponse):
+    """A stream that always learns when its client goes away, and always runs
+    `on_close` at the end, even when the client left before the first byte (plain
+    StreamingResponse notices a disconnect only on its next send under newer ASGI
+    servers, and never starts a body iterator it did not reach)."""
+
+    def __init__(self, content, on_close: Callable[[], None], **kwargs):
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            stream = asyncio.ensure_future(self.stream_response(send))
+            gone = asyncio.ensure_future(self.listen_for_disconnect(receive))
+            try:
+                await asyncio.wait({stream, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in (stream, gone):
+                    task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, OSError):
+                    await stream
+        finally:
+            self.on_close()
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()
+
+
+def _request_id(kind: str, client_tag: str | None) -> str:
+    """A fresh id; a client's `X-Request-Id` (when sane) is kept inside it, so the
+    client can find its request in logs and `/admin/workers`."""
+    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    if client_tag and _CLIENT_TAG.fullmatch(client_tag):
+        return f"{prefix}-{client_tag}-{uuid.uuid4().hex[:8]}"
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the client of a request whose body was read disconnects."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _envelope(request_id: str, parsed: ParsedRequest, final: bool) -> dict:

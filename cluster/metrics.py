@@ -133,6 +133,13 @@ class ClusterMetrics:
             LINK,
             BANDWIDTH_BUCKETS,
         )
+        self.kv_recomputes = Counter(
+            "pdserve_kv_recomputes_total",
+            "Requests whose decode worker prefilled the prompt itself instead of receiving its "
+            "KV, by link and why (a silent fallback shows up here)",
+            ["src", "dst", "reason"],
+            registry=r,
+        )
         self.kv_failures = Counter(
             "pdserve_kv_transfer_failures_total",
             "Failed KV transfers by reason (timeout, checksum, peer_died, layout_mismatch...)",
@@ -171,7 +178,10 @@ class ClusterMetrics:
             return  # colocated, or the request never reached a KV import
         link = (timeline.transport, timeline.prefill_worker or "", timeline.decode_worker or "")
         if not timeline.transfer_ok:
-            self.kv_failures.labels(*link, timeline.transfer_failure or "unknown").inc()
+            reason = timeline.transfer_failure or "unknown"
+            self.kv_failures.labels(*link, reason).inc()
+            if timeline.recomputed:
+                self.kv_recomputes.labels(*link[1:], reason).inc()
             return
         seconds = b["kv_transfer_s"] or 0.0
         self.kv_bytes.labels(*link).inc(timeline.kv_bytes)

@@ -15,6 +15,9 @@ from prometheus_client.core import (
     HistogramMetricFamily,
 )
 
+from engine.worker_messages import HealthReport
+from kv_transfer.stats import SenderStats
+
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 WORKER = ["worker", "role"]
 
@@ -77,30 +80,25 @@ class _Families:
         self.gpu_used = _gauge("pdserve_gpu_memory_used_bytes", "GPU memory used (NVML)")
         self.gpu_total = _gauge("pdserve_gpu_memory_total_bytes", "GPU memory size (NVML)")
 
-    def add_worker(self, labels: list[str], load: dict) -> None:
-        if "total_blocks" in load:
-            self.blocks_used.add_metric(labels, load["total_blocks"] - load["free_blocks"])
-            self.blocks_total.add_metric(labels, load["total_blocks"])
-        if "num_running" in load:
-            self.running.add_metric(labels, load["num_running"])
-            self.waiting.add_metric(labels, load["num_waiting"])
-        transfer = load.get("transfer") or {}
-        if "pinned_requests" in transfer:  # the sender side: prefill workers
-            self.leases.add_metric(labels, transfer["pinned_requests"])
-            self.leased_blocks.add_metric(labels, transfer["pinned_blocks"])
-            self.expired.add_metric(labels, transfer["expiries"])
-        batches = load.get("batch_sizes") or {}
+    def add_worker(self, labels: list[str], load: HealthReport) -> None:
+        self.blocks_used.add_metric(labels, load.total_blocks - load.free_blocks)
+        self.blocks_total.add_metric(labels, load.total_blocks)
+        self.running.add_metric(labels, load.num_running)
+        self.waiting.add_metric(labels, load.num_waiting)
+        if isinstance(load.transfer, SenderStats):  # the sender side: prefill workers
+            self.leases.add_metric(labels, load.transfer.pinned_requests)
+            self.leased_blocks.add_metric(labels, load.transfer.pinned_blocks)
+            self.expired.add_metric(labels, load.transfer.expiries)
         for family, sizes in (
-            (self.prefill_batch, batches.get("prefill")),
-            (self.decode_batch, batches.get("decode")),
+            (self.prefill_batch, load.batch_sizes.get("prefill")),
+            (self.decode_batch, load.batch_sizes.get("decode")),
         ):
             if sizes is not None:
                 family.add_metric(labels, *_histogram_of(sizes))
-        gpu = load.get("gpu")
-        if gpu:
-            self.gpu_util.add_metric(labels, gpu["utilization_ratio"])
-            self.gpu_used.add_metric(labels, gpu["memory_used_bytes"])
-            self.gpu_total.add_metric(labels, gpu["memory_total_bytes"])
+        if load.gpu:
+            self.gpu_util.add_metric(labels, load.gpu["utilization_ratio"])
+            self.gpu_used.add_metric(labels, load.gpu["memory_used_bytes"])
+            self.gpu_total.add_metric(labels, load.gpu["memory_total_bytes"])
 
     def all(self) -> list:
         return list(vars(self).values())

@@ -1,16 +1,21 @@
 """OpenAI request bodies, validated: what real clients and benchmark tools send.
 
-Parsing turns a JSON body into a `ParsedRequest` (prompt ids + SamplingParams) or
-raises `ApiError` with the status, message and offending parameter. Unknown fields
+`read_json` takes the raw body whatever its Content-Type (as vLLM does), bounds its
+size and nesting before parsing, and refuses text that cannot be encoded (a lone
+surrogate). Parsing turns the JSON into a `ParsedRequest` (prompt ids +
+SamplingParams) or raises `ApiError` with the status, message and offending parameter. Unknown fields
 are ignored like OpenAI does, except fields whose silent loss would change results
 (`n` > 1, `logprobs`, `best_of`, `tools`, ...), which are refused with a 400.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.sampling_params import MAX_TOKENS_LIMIT, SamplingParams
@@ -64,6 +69,55 @@ _UNSUPPORTED = {
     "suffix": "suffix is not supported by this server",
     "logit_bias": "logit_bias is not supported by this server",
 }
+
+
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of arrays and objects a body may have (OpenAI bodies need ~6)."""
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 512
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+async def read_json(request, max_body_bytes: int) -> Any:
+    """The request's body as JSON, or ApiError 413/400."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > max_body_bytes:
+        raise ApiError(413, f"request body over {max_body_bytes} bytes")
+    raw = await request.body()
+    if len(raw) > max_body_bytes:
+        raise ApiError(413, f"request body over {max_body_bytes} bytes")
+    return parse_json(raw)
+
+
+def parse_json(raw: bytes) -> Any:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ApiError(400, f"request body is not UTF-8: {exc}") from None
+    if json_depth(text) > MAX_JSON_DEPTH:
+        raise ApiError(400, f"request body nests deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        body = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise ApiError(400, f"malformed JSON body: {exc}") from None
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(
+            400, "request body holds a string that is not valid Unicode (a lone surrogate)"
+        ) from None
+    return body
+
+
+def json_depth(text: str) -> int:
+    """Deepest bracket nesting outside strings, without parsing (so no recursion)."""
+    structure = _JSON_STRING.sub('""', text).encode("utf-8", "surrogatepass")
+    codes = np.frombuffer(structure, dtype=np.uint8)
+    if not codes.size:
+        return 0
+    steps = ((codes == ord("[")) | (codes == ord("{"))).astype(np.int32)
+    steps -= ((codes == ord("]")) | (codes == ord("}"))).astype(np.int32)
+    return int(np.cumsum(steps).max())
 
 
 class StreamOptions(BaseModel):
@@ -194,6 +248,17 @@ def _sampling_params(parsed) -> SamplingParams:
         )
     stop = parsed.stop
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise ApiError(
+            400,
+            f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} "
+            "characters each",
+            param="stop",
+        )
+    if parsed.top_k < -1:
+        raise ApiError(
+            400, f"top_k must be -1 or 0 (disabled) or positive, got {parsed.top_k}", param="top_k"
+        )
     try:
         return SamplingParams(
             max_tokens=max_tokens,

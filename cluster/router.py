@@ -3,6 +3,10 @@
 Policies see each worker's last health report (queue depth, free blocks) plus the
 router's own count of requests it sent there and has not seen finish, which is
 fresher than any report. A worker marked dead is never picked.
+
+`pick` returns a `Claim`: the request counts against the worker from the pick until
+the claim is released, exactly once, by the request that holds it (see
+cluster/request.py), so the count stays exact across restarts and failures.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.config import RouterPolicy
+from engine.worker_messages import HealthReport
 
 
 class NoLiveWorkerError(RuntimeError):
@@ -32,15 +37,35 @@ class WorkerInfo:
     role: str
     handle: Any
     alive: bool = True
-    load: dict = field(default_factory=dict)
+    load: HealthReport | None = None
+    """The worker's last health report (None before its first one)."""
     in_flight: int = 0
+    """Requests holding a claim on this worker."""
     restarts: int = 0
 
     def score(self) -> tuple[float, float]:
         """Lower is better: outstanding work first, then fewer free KV blocks."""
-        queue = self.load.get("queue_depth", 0) + self.in_flight
-        free = self.load.get("free_blocks", 0) / max(1, self.load.get("total_blocks", 1))
-        return (queue, -free)
+        if self.load is None:
+            return (self.in_flight, 0.0)
+        free = self.load.free_blocks / max(1, self.load.total_blocks)
+        return (self.load.queue_depth + self.in_flight, -free)
+
+
+@dataclass
+class Claim:
+    """One request's hold on one worker, from `Router.pick` until `release()`."""
+
+    worker: WorkerInfo
+    released: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        self.worker.in_flight += 1
+
+    def release(self) -> None:
+        """Idempotent: the first call gives the worker its seat back."""
+        if not self.released:
+            self.released = True
+            self.worker.in_flight -= 1
 
 
 class Policy:
@@ -92,8 +117,9 @@ class Router:
 
     def pick(
         self, role: str, request_id: str | None = None, exclude: set[str] | None = None
-    ) -> WorkerInfo:
+    ) -> Claim:
+        """A claim on the best live worker of `role`; the caller must release it."""
         candidates = [w for w in self.live(role) if w.worker_id not in (exclude or set())]
         if not candidates:
             raise NoLiveWorkerError(role, request_id)
-        return self.policies[role].choose(candidates)
+        return Claim(self.policies[role].choose(candidates))

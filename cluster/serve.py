@@ -13,31 +13,12 @@ import logging
 import signal
 
 from cluster.config import ClusterConfig
+from cluster.config_flags import add_config_flags, config_overrides
 from engine import envs
 
 logger = logging.getLogger(__name__)
 
-# CLI flag -> ClusterConfig field, for flags that override the YAML file.
-CONFIG_FLAGS = {
-    "model": "model",
-    "dtype": "dtype",
-    "mode": "mode",
-    "prefill_workers": "prefill_workers",
-    "decode_workers": "decode_workers",
-    "transport": "transport",
-    "address": "address",
-    "router_policy": "router_policy",
-    "threads_per_worker": "threads_per_worker",
-    "gpus_per_worker": "gpus_per_worker",
-    "block_size": "block_size",
-    "prefill_kv_blocks": "prefill_kv_blocks",
-    "decode_kv_blocks": "decode_kv_blocks",
-    "max_num_seqs": "max_num_seqs",
-    "max_batch_tokens": "max_batch_tokens",
-    "prefill_chunk_size": "prefill_chunk_size",
-    "first_token_from": "first_token_from",
-    "max_model_len": "max_model_len",
-}
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 def add_serve_parser(sub) -> None:
@@ -45,42 +26,28 @@ def add_serve_parser(sub) -> None:
         "serve",
         help="serve an OpenAI-compatible API over prefill and decode worker pools",
         description="Start (or join) a Ray cluster, start prefill and decode workers, and serve "
-        "/v1/completions, /v1/chat/completions, /v1/models, /health and /metrics. Flags override "
-        "the YAML --config file; see docs/operations.md for every key.",
+        "/v1/completions, /v1/chat/completions, /v1/models, /health and /metrics. Every "
+        "ClusterConfig key is a flag; flags override the YAML --config file (see "
+        "docs/operations.md).",
     )
     parser.add_argument("--config", help="YAML file with ClusterConfig keys")
-    parser.add_argument("--model", help="'demo' (default) or a local HF model directory")
-    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--mode", choices=["disaggregated", "colocated"])
-    parser.add_argument("--prefill-workers", type=int)
-    parser.add_argument("--decode-workers", type=int)
-    parser.add_argument("--transport", choices=["auto", "shm", "collective", "grpc", "local"])
-    parser.add_argument("--address", help="Ray address to join (default: start a local Ray)")
-    parser.add_argument("--router-policy", choices=["round_robin", "least_loaded", "power_of_two"])
-    parser.add_argument("--threads-per-worker", type=int, help="torch threads per CPU worker")
-    parser.add_argument("--gpus-per-worker", type=float)
-    parser.add_argument("--block-size", type=int)
-    parser.add_argument("--prefill-kv-blocks", type=int)
-    parser.add_argument("--decode-kv-blocks", type=int)
-    parser.add_argument("--max-num-seqs", type=int)
-    parser.add_argument("--max-batch-tokens", type=int)
-    parser.add_argument("--prefill-chunk-size", type=int)
-    parser.add_argument("--max-model-len", type=int)
-    parser.add_argument("--first-token-from", choices=["prefill", "decode"])
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
     parser.add_argument(
         "--api-key", default=None, help="require this bearer key (or PDSERVE_API_KEY)"
     )
     parser.add_argument(
-        "--max-in-flight", type=int, default=256, help="admitted requests; past it, 429"
+        "--max-in-flight",
+        type=int,
+        default=256,
+        help="requests admitted at once; past it, 429 with Retry-After (default: 256)",
     )
+    add_config_flags(parser, ClusterConfig, skip={"cluster_token"})
     parser.set_defaults(func=run_serve)
 
 
 def config_from_args(args: argparse.Namespace) -> ClusterConfig:
-    overrides = {field: getattr(args, flag) for flag, field in CONFIG_FLAGS.items()}
-    return ClusterConfig.load(args.config, overrides)
+    return ClusterConfig.load(args.config, config_overrides(args, ClusterConfig))
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -90,6 +57,12 @@ def run_serve(args: argparse.Namespace) -> int:
     settings = FrontendSettings(
         api_key=args.api_key or envs.api_key(), max_in_flight=args.max_in_flight
     )
+    if args.host not in LOOPBACK_HOSTS and not settings.api_key:
+        logger.warning(
+            "serving on %s without an API key: anyone who can reach this address can use "
+            "the model; pass --api-key (or set PDSERVE_API_KEY)",
+            args.host,
+        )
     asyncio.run(_serve(config, settings, args.host, args.port))
     return 0
 

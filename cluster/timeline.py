@@ -1,14 +1,20 @@
-"""Per-request phase timestamps and the breakdown users see as `pdserve_timings`.
+"""Per-request phase timings and the breakdown users see as `pdserve_timings`.
 
-The request flow stamps wall-clock times as the request moves: arrival, prefill queue
-(start/end), prefill end, KV transfer (start/end), decode admission end, first token,
-each token, finish. Workers stamp their own phases and return them with their results.
+Every stamp here is the driver's own `time.monotonic()`: arrival, each worker call
+sent and answered, the import event received, each token, finish. Workers report how
+long their phases took on their own monotonic clocks (`PrefillResult.queue_s`, ...,
+`ImportEvent.transfer_s`), never a wall-clock time, so a worker whose clock is off by
+seconds cannot shift or hide a phase: the driver places each worker's durations
+inside the span it measured itself around that call, and what is left of the span is
+the call's overhead (Ray, the network, the worker's event loop).
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+
+from engine.worker_messages import ImportEvent, PrefillResult
 
 
 @dataclass
@@ -17,13 +23,12 @@ class RequestTimeline:
     arrival: float
     prefill_worker: str | None = None
     decode_worker: str | None = None
-    prefill_queue_start: float | None = None
-    prefill_queue_end: float | None = None
-    prefill_end: float | None = None
-    decode_queue_start: float | None = None
-    decode_queue_end: float | None = None
-    transfer_start: float | None = None
-    transfer_end: float | None = None
+    prefill_sent: float | None = None
+    prefill_answered: float | None = None
+    prefill: PrefillResult | None = None
+    decode_sent: float | None = None
+    import_received: float | None = None
+    imported: ImportEvent | None = None
     first_token: float | None = None
     token_times: list[float] = field(default_factory=list)
     finish: float | None = None
@@ -38,19 +43,37 @@ class RequestTimeline:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
 
+    # --- stamps, from the request flow ------------------------------------------------
+
+    def on_prefill(self, sent: float, answered: float, result: PrefillResult) -> None:
+        self.prefill_sent, self.prefill_answered, self.prefill = sent, answered, result
+        self.prefill_worker = result.worker_id
+
+    def on_import(self, sent: float, received: float, event: ImportEvent) -> None:
+        self.decode_sent, self.import_received, self.imported = sent, received, event
+        self.transport = event.transport
+        self.kv_bytes = event.num_bytes
+        self.transfer_ok = event.ok
+        self.transfer_failure = event.reason
+
     def stamp_token(self, now: float, count: int = 1) -> None:
         if self.first_token is None:
             self.first_token = now
         self.token_times.extend([now] * count)
 
+    # --- what users see ---------------------------------------------------------------
+
     def breakdown(self) -> dict:
-        """Seconds per phase (None where a phase did not happen), plus what moved where."""
+        """Seconds per phase (None where a phase did not happen), plus what moved where.
+        `ttft_parts` tiles `ttft_s`: its values add up to it."""
+        prefill, imported = self.prefill, self.imported
         return {
-            "prefill_queue_s": _span(self.prefill_queue_start, self.prefill_queue_end),
-            "prefill_s": _span(self.prefill_queue_end, self.prefill_end),
-            "decode_queue_s": _span(self.decode_queue_start, self.decode_queue_end),
-            "kv_transfer_s": _span(self.transfer_start, self.transfer_end),
+            "prefill_queue_s": prefill.queue_s if prefill else None,
+            "prefill_s": prefill.prefill_s if prefill else None,
+            "decode_queue_s": imported.admission_s if imported else None,
+            "kv_transfer_s": imported.transfer_s if imported else None,
             "ttft_s": _span(self.arrival, self.first_token),
+            "ttft_parts": self.ttft_parts(),
             "decode_s": _span(self.first_token, self.finish),
             "e2e_s": _span(self.arrival, self.finish),
             "kv_bytes": self.kv_bytes,
@@ -62,6 +85,39 @@ class RequestTimeline:
             "transfer_failure": self.transfer_failure,
         }
 
+    def ttft_parts(self) -> dict[str, float]:
+        """The driver's spans up to the first token, each split into the worker's own
+        phases and the call's overhead. Empty until the first token."""
+        if self.first_token is None:
+            return {}
+        parts: dict[str, float] = {}
+        cursor = self.arrival
+        calls = [
+            (self.prefill_sent, self.prefill_answered, "prefill", self._prefill_phases()),
+            (self.decode_sent, self.import_received, "import", self._import_phases()),
+        ]
+        for sent, answered, name, phases in calls:
+            if sent is None or answered is None or answered > self.first_token:
+                continue
+            parts[f"before_{name}_s"] = sent - cursor
+            parts.update(phases)
+            parts[f"{name}_call_overhead_s"] = (answered - sent) - sum(phases.values())
+            cursor = answered
+        parts["until_first_token_s"] = self.first_token - cursor
+        return parts
+
+    def _prefill_phases(self) -> dict[str, float]:
+        p = self.prefill
+        if p is None:
+            return {}
+        return {"prefill_queue_s": p.queue_s, "prefill_s": p.prefill_s, "export_s": p.export_s}
+
+    def _import_phases(self) -> dict[str, float]:
+        i = self.imported
+        if i is None:
+            return {}
+        return {"decode_queue_s": i.admission_s, "kv_transfer_s": i.transfer_s}
+
     def inter_token_latencies(self) -> list[float]:
         times = self.token_times
         return [b - a for a, b in itertools.pairwise(times)]
@@ -70,4 +126,4 @@ class RequestTimeline:
 def _span(start: float | None, end: float | None) -> float | None:
     if start is None or end is None:
         return None
-    return max(0.0, end - start)
+    return end - start

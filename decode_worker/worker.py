@@ -1,217 +1,253 @@
 """The decode worker: a Ray actor that imports KV and streams tokens.
 
 Lifecycle of a request here (`generate`, a streaming call):
-    admission: wait until the pool has blocks for the prompt's KV (never dropped)
-    -> import: the KV receiver pulls the prompt's blocks from the prefill worker
-       into the reserved blocks (or, with no ticket, the prompt is prefilled here:
-       colocated mode, recovery, or `on_transfer_failure: recompute`)
-    -> the sequence joins the continuous decode batch; each step's token is
-       yielded to the caller as it is made
-    -> finish (stop/length) or abort (caller went away): blocks back to the pool.
+    with a ticket: `begin_import` makes the sequence IMPORTING in the engine, where it
+      waits (abortably) for free blocks while the sender's lease is kept alive
+    -> the engine thread reserves its blocks and starts the transfer on a fetch
+       thread, which writes straight into them; when the bytes stop landing, the
+       engine thread settles the import (`finish_import`) and streams an ImportEvent
+    -> on failure: `on_transfer_failure: recompute` prefills the prompt here into the
+       same blocks, or `fail` ends the request with an ErrorEvent
+    without a ticket (colocated, recovery, decode-side prefill): prefilled here
+    -> READY, then a seat in the continuous decode batch (at most `max_num_seqs`);
+       each step's token is yielded to the caller as it is made
+    -> finish (stop/length) or abort (the caller went away): blocks back to the pool.
+The blocks of an import are only ever freed on the engine thread, after the
+transfer stopped writing, whatever the caller does meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass
+from concurrent.futures import ThreadPoolExecutor
 
-from cluster.config import ClusterConfig
-from cluster.worker_report import health_report, node_ip
+from engine import clock
 from engine.engine_loop import EngineLoop
+from engine.errors import RequestAbortedError
 from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from kv_transfer.base import ExportTicket, TransferResult
+from engine.sequence import SequenceOutput
+from engine.worker_health import engine_state, health_report, node_ip
+from engine.worker_messages import (
+    DecodeRequest,
+    ErrorEvent,
+    HealthReport,
+    ImportEvent,
+    TokenEvent,
+)
+from engine.worker_spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
 
-_ADMISSION_POLL_S = 0.005
 _KEEPALIVE_EVERY_S = 1.0
-
-
-@dataclass(frozen=True)
-class _DecodeRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    """Tokens already decided (by prefill or an earlier decode worker)."""
-    params: SamplingParams
-    emitted_text_len: int
-    """Characters of their text the client already has."""
+_FETCH_THREADS = 4
+_LEASE_LOST = "unknown_request"
+"""`FailureReason` value of an import whose export vanished while it waited for blocks."""
 
 
 class DecodeWorker:
     """Instantiated as a named Ray actor by the controller; also the colocated worker."""
 
-    def __init__(self, worker_id: str, config: ClusterConfig, role: str = "decode"):
-        self.worker_id = worker_id
-        self.role = role
-        self.config = config
-        self.engine = LLMEngine(config.engine_config("decode"))
+    def __init__(self, spec: WorkerSpec):
+        self.spec = spec
+        self.worker_id = spec.worker_id
+        self.role = spec.role
+        self.engine = LLMEngine(spec.engine)
         self.receiver = None
-        if role == "decode":
+        if self.role == "decode":
             from kv_transfer.registry import make_receiver
 
             self.receiver = make_receiver(
-                config.transport,
-                worker_id,
+                spec.transport,
+                spec.worker_id,
                 self.engine.kv_pool,
-                config.kv_transport_options(node_ip=node_ip()),
+                spec.transport_options_on(node_ip()),
             )
+        self.fetch_pool = ThreadPoolExecutor(_FETCH_THREADS, thread_name_prefix="kv-fetch")
+        self.tickets: dict[str, object] = {}
+        """Tickets of imports still waiting for blocks, read by the engine thread."""
+        self.last_transfer: dict[str, str] = {}
+        """Prefill worker -> how its last request's KV got here (transport or recomputed)."""
         self.loop: EngineLoop | None = None
-        self.admission_waiting = 0
 
     def _engine_loop(self) -> EngineLoop:
+        # Created lazily inside the actor's event loop (the constructor runs outside it).
         if self.loop is None:
-            self.loop = EngineLoop(self.engine)
+            self.loop = EngineLoop(
+                self.engine, on_iteration=self._start_imports, on_abort=self._cancel_fetch
+            )
         return self.loop
 
+    # --- the stream ---------------------------------------------------------------------
+
     async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        output_token_ids: list[int],
-        params: SamplingParams,
-        ticket: dict | None = None,
-        emitted_text_len: int = 0,
-    ) -> AsyncIterator[dict]:
-        """Streaming call, one per request. Yields an `imported` event (when a ticket was
-        given), then one item per new token; the last item has `finished`.
-        `emitted_text_len`: characters of the output the client already has."""
+        self, request: DecodeRequest
+    ) -> AsyncIterator[ImportEvent | TokenEvent | ErrorEvent]:
+        """Streaming call, one per request, from the driver's request flow. Yields an
+        ImportEvent first when a ticket was given, then one TokenEvent per step; the
+        stream ends after a finished TokenEvent, an ErrorEvent, or an abort."""
         loop = self._engine_loop()
+        request_id = request.request_id
         stream = loop.open_stream(request_id)
-        request = _DecodeRequest(
-            request_id, prompt_token_ids, output_token_ids, params, emitted_text_len
-        )
         finished = False
         try:
-            if ticket is not None:
-                event = await self._import(request, ticket)
+            if request.ticket is not None:
+                event = await self._import(request, stream)
                 yield event
-                if not event["ok"]:
-                    if self.config.on_transfer_failure == "fail":
-                        return
-                    await self._prefill_here(request)
+                if not event.ok and self.spec.on_transfer_failure == "fail":
+                    yield ErrorEvent(request_id, "transfer_failed", event.message)
+                    return
             else:
-                await self._prefill_here(request)
+                await loop.call(lambda e: self._prefill_here(e, request))
             while not finished:
                 output = await stream.get()
-                if output is None:  # aborted by the caller
+                if output is None:  # aborted by the request's owner
                     return
                 finished = output.finished
-                yield {
-                    "event": "token",
-                    "token_ids": output.new_token_ids,
-                    "text": output.new_text,
-                    "finished": output.finished,
-                    "finish_reason": output.finish_reason,
-                    "num_output_tokens": output.num_output_tokens,
-                    "time": time.time(),
-                }
+                yield _token_event(output)
+        except Exception as exc:  # the request failed, not the worker: say so in the stream
+            if not isinstance(exc, RequestAbortedError):
+                logger.warning("[request %s] decode failed: %r", request_id, exc)
+            yield ErrorEvent.of(request_id, exc)
         finally:
+            self.tickets.pop(request_id, None)
             loop.close_stream(request_id)
             if not finished:
-                await loop.call(lambda e: e.abort(request_id))
+                loop.abort(request_id)
 
-    async def _prefill_here(self, r: _DecodeRequest) -> None:
+    @staticmethod
+    def _prefill_here(engine: LLMEngine, r: DecodeRequest) -> None:
         """Compute the KV of prompt + decided tokens here (colocated, recovery, recompute)."""
-        await self._engine_loop().call(
-            lambda e: e.add_request(
+        engine.add_request(
+            r.request_id,
+            r.prompt_token_ids,
+            r.params,
+            output_token_ids=r.output_token_ids,
+            emitted_text_len=r.emitted_text_len,
+        )
+
+    async def _import(self, r: DecodeRequest, stream: asyncio.Queue) -> ImportEvent:
+        """Announce the import and wait for its outcome, keeping the sender's lease alive
+        while the sequence waits for blocks."""
+        loop = self._engine_loop()
+        ticket = r.ticket
+        self.tickets[r.request_id] = ticket
+        await loop.call(
+            lambda e: e.begin_import(
                 r.request_id,
                 r.prompt_token_ids,
+                r.output_token_ids,
                 r.params,
-                output_token_ids=r.output_token_ids,
+                ticket.num_tokens,
                 emitted_text_len=r.emitted_text_len,
             )
         )
+        while True:
+            try:
+                item = await asyncio.wait_for(stream.get(), _KEEPALIVE_EVERY_S)
+            except asyncio.TimeoutError:
+                lost = await self._export_lost(r.request_id, ticket)
+                if lost is not None:
+                    return lost
+                continue
+            if item is None:
+                raise RequestAbortedError("aborted while importing", r.request_id)
+            assert isinstance(item, ImportEvent), item
+            return item
 
-    async def _import(self, r: _DecodeRequest, ticket_dict: dict) -> dict:
-        loop = self._engine_loop()
-        ticket = ExportTicket.from_dict(ticket_dict)
-        admission_start = time.time()
-        block_ids = await self._admit(r.request_id, ticket)
-        transfer_start = time.time()
-        result: TransferResult = await asyncio.to_thread(
-            self.receiver.fetch, ticket, block_ids, self.config.transfer_timeout_s
+    async def _export_lost(self, request_id: str, ticket) -> ImportEvent | None:
+        """Keepalive of a waiting import. When the export is gone (lease expired, sender
+        died) and no transfer started yet, the import ends here: an ImportEvent that
+        says so, after the sequence was set to recompute or dropped per the policy."""
+        if await asyncio.to_thread(self.receiver.keepalive, ticket):
+            return None
+        recompute = self.spec.on_transfer_failure == "recompute"
+        cancelled = await self._engine_loop().call(lambda e: e.cancel_import(request_id, recompute))
+        if not cancelled:
+            return None  # a transfer is already under way; its outcome will come
+        self.last_transfer[ticket.sender_id] = "recomputed" if recompute else "failed"
+        message = f"[request {request_id}] export on {ticket.sender_id} is gone"
+        return ImportEvent(
+            False, self.receiver.name, 0, _LEASE_LOST, message, 0.0, 0.0, self.worker_id
         )
-        transfer_end = time.time()
-        if result.ok:
-            await loop.call(
-                lambda e: e.add_prefilled(
-                    r.request_id,
-                    r.prompt_token_ids,
-                    r.output_token_ids,
-                    r.params,
-                    block_ids,
-                    emitted_text_len=r.emitted_text_len,
-                )
-            )
-        else:
-            await loop.call(lambda e: e.release_blocks(block_ids))
-            logger.warning(
-                "request %s: KV import failed: %s %s", r.request_id, result.reason, result.message
-            )
-        return {
-            "event": "imported",
-            "ok": result.ok,
-            "transport": result.transport,
-            "num_bytes": result.num_bytes,
-            "reason": result.reason.value if result.reason else None,
-            "message": result.message,
-            "admission_start": admission_start,
-            "transfer_start": transfer_start,
-            "transfer_end": transfer_end,
-            "worker_id": self.worker_id,
-        }
 
-    async def _admit(self, request_id: str, ticket: ExportTicket) -> list[int]:
-        """Reserve blocks for the imported KV, waiting (never failing) while the pool is full.
-        While it waits, the sender's lease on the exported blocks is kept alive."""
-        loop = self._engine_loop()
-        self.admission_waiting += 1
-        last_keepalive = time.monotonic()
-        try:
-            while True:
-                block_ids = await loop.call(
-                    lambda e: e.reserve_blocks(ticket.num_tokens, request_id)
-                )
-                if block_ids is not None:
-                    return block_ids
-                if time.monotonic() - last_keepalive > _KEEPALIVE_EVERY_S:
-                    last_keepalive = time.monotonic()
-                    await asyncio.to_thread(self.receiver.keepalive, ticket)
-                await asyncio.sleep(_ADMISSION_POLL_S)
-        finally:
-            self.admission_waiting -= 1
+    # --- the engine thread ----------------------------------------------------------------
+
+    def _start_imports(self, engine: LLMEngine) -> None:
+        for seq in engine.reserve_imports():
+            ticket = self.tickets.pop(seq.request_id, None)
+            if ticket is None:  # its stream closed meanwhile: nothing will be fetched
+                engine.finish_import(seq.request_id, ok=False, recompute=False)
+                continue
+            admission_s = clock.now() - seq.arrival_time
+            self.fetch_pool.submit(self._fetch, ticket, list(seq.block_ids), admission_s)
+
+    def _fetch(self, ticket, block_ids: list[int], admission_s: float) -> None:
+        """On a fetch thread: move the bytes, then settle the import on the engine thread."""
+        result = self.receiver.fetch(ticket, block_ids, self.spec.transfer_timeout_s)
+        self.loop.post(lambda e: self._finish_import(e, ticket, result, admission_s))
+
+    def _finish_import(self, engine: LLMEngine, ticket, result, admission_s: float) -> None:
+        recompute = self.spec.on_transfer_failure == "recompute"
+        engine.finish_import(ticket.request_id, result.ok, recompute)
+        fallback = "recomputed" if recompute else "failed"
+        self.last_transfer[ticket.sender_id] = result.transport if result.ok else fallback
+        reason = result.reason.value if result.reason else None
+        event = ImportEvent(
+            result.ok,
+            result.transport,
+            result.num_bytes,
+            reason,
+            result.message,
+            admission_s,
+            result.seconds,
+            self.worker_id,
+        )
+        self.loop.deliver(ticket.request_id, event)
+
+    def _cancel_fetch(self, engine: LLMEngine, request_id: str) -> None:
+        self.tickets.pop(request_id, None)
+        seq = engine.sequences.get(request_id)
+        if seq is not None and seq.abort_requested and self.receiver is not None:
+            self.receiver.cancel(request_id)
+
+    # --- control ------------------------------------------------------------------------
 
     async def abort(self, request_id: str) -> None:
-        """Called when the client went away: stop decoding, free the blocks."""
+        """Called when the request's owner closes it: stop decoding or importing, free
+        the blocks (an import's once its transfer stops writing)."""
         await self._engine_loop().abort(request_id)
 
-    async def check_health(self) -> dict:
+    async def check_health(self) -> HealthReport:
         """Called by the controller's watchdog; raises (or times out) when unhealthy."""
-        health = health_report(
+        transfer = self.receiver.stats() if self.receiver is not None else None
+        return health_report(
             self.worker_id,
             self.role,
             self.engine,
             self._engine_loop(),
-            self.config.device,
-            self.admission_waiting,
+            transfer,
+            self.last_transfer,
         )
-        if self.receiver is not None:
-            health["transfer"] = asdict(self.receiver.stats())
-        return health
 
     async def debug_state(self) -> dict:
-        return {
-            "used_blocks": self.engine.allocator.num_used,
-            "sequences": len(self.engine.sequences),
-        }
+        """Leak checks in tests and drills: blocks in use and each request's state."""
+        return await self._engine_loop().call(engine_state)
 
     async def shutdown(self) -> None:
         if self.loop is not None:
             self.loop.stop()
+        self.fetch_pool.shutdown(wait=False, cancel_futures=True)
         if self.receiver is not None:
             self.receiver.close()
+
+
+def _token_event(output: SequenceOutput) -> TokenEvent:
+    return TokenEvent(
+        output.new_token_ids,
+        output.new_text,
+        output.finished,
+        output.finish_reason,
+        output.num_output_tokens,
+    )

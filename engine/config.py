@@ -1,4 +1,9 @@
-"""Engine configuration: how big the KV pool is and how work is batched."""
+"""Engine configuration: which model, how big the KV pool is and how work is batched.
+
+`ModelSettings` holds the knobs every engine of a cluster shares; `EngineConfig` adds
+what differs per worker (device, pool size, threads), and the cluster's config
+inherits `ModelSettings` too, so each of these fields is declared exactly once.
+"""
 
 from __future__ import annotations
 
@@ -19,29 +24,23 @@ ATTENTION_CHOICES = ("auto", "torch", "native", "flash")
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    """Sizing and batching knobs of one engine instance (one worker)."""
+class ModelSettings:
+    """The model and its batching limits, the same on every worker of a cluster."""
 
     model: str = "demo"
     """`demo` (SmolLM2-135M-Instruct) or a local HF model directory."""
     dtype: DType = "auto"
-    """Weights and KV dtype; `auto` is bfloat16 on GPUs and AMX/AVX512-BF16 CPUs, else float32."""
-    device: str = "cpu"
-    """Torch device for weights and KV (`cpu`, `cuda`, `cuda:1`)."""
+    """Weights and KV dtype; `auto` is bfloat16/float16 on GPUs and float32 on CPUs."""
     block_size: int = 16
-    """Tokens per KV block."""
-    num_kv_blocks: int = 1024
-    """Blocks in the KV pool (capacity = num_kv_blocks * block_size tokens)."""
+    """Tokens per KV block (the same on both pools: blocks move between them)."""
     max_num_seqs: int = 64
-    """Most sequences in one decode batch."""
+    """Most sequences in one engine step (the decode batch)."""
     max_batch_tokens: int = 2048
-    """Most tokens (prefill chunks plus decode tokens) in one forward pass."""
+    """Most tokens (prefill pieces plus decode tokens) in one engine step."""
     prefill_chunk_size: int = 512
     """Longest prefill piece of one prompt per step; longer prompts are chunked."""
     max_model_len: int | None = None
     """Longest prompt + output; defaults to the model's context window."""
-    num_threads: int | None = None
-    """torch intra-op threads for this engine; None leaves torch's default."""
     kernels: Kernels = "auto"
     """Layer ops: `native` float32 CPU kernels (compiled once, cached), `torch`, or `auto`
     (native where it applies)."""
@@ -62,23 +61,37 @@ class EngineConfig:
             )
         positive = {
             "block_size": self.block_size,
-            "num_kv_blocks": self.num_kv_blocks,
             "max_num_seqs": self.max_num_seqs,
             "max_batch_tokens": self.max_batch_tokens,
             "prefill_chunk_size": self.prefill_chunk_size,
         }
         for name, value in positive.items():
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            _check_positive(name, value)
         if self.prefill_chunk_size > self.max_batch_tokens:
             raise ValueError(
                 f"prefill_chunk_size ({self.prefill_chunk_size}) must not exceed "
                 f"max_batch_tokens ({self.max_batch_tokens})"
             )
-        if self.max_model_len is not None and self.max_model_len <= 0:
-            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
-        if self.num_threads is not None and self.num_threads <= 0:
-            raise ValueError(f"num_threads must be positive, got {self.num_threads}")
+        if self.max_model_len is not None:
+            _check_positive("max_model_len", self.max_model_len)
+
+
+@dataclass(frozen=True)
+class EngineConfig(ModelSettings):
+    """Sizing and batching knobs of one engine instance (one worker)."""
+
+    device: str = "cpu"
+    """Torch device for weights and KV (`cpu`, `cuda`, `cuda:1`)."""
+    num_kv_blocks: int = 1024
+    """Blocks in the KV pool (capacity = num_kv_blocks * block_size tokens)."""
+    num_threads: int | None = None
+    """torch intra-op threads for this engine; None leaves torch's default."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_positive("num_kv_blocks", self.num_kv_blocks)
+        if self.num_threads is not None:
+            _check_positive("num_threads", self.num_threads)
 
     @property
     def resolved_dtype(self) -> str:
@@ -89,6 +102,11 @@ class EngineConfig:
         import torch
 
         return getattr(torch, self.resolved_dtype)
+
+
+def _check_positive(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 def _check_choice(name: str, value, choices: tuple[str, ...]) -> None:

@@ -5,8 +5,10 @@ stall health checks and streaming. So one thread owns the engine: it runs queued
 commands between steps (add, abort, export...), steps while there is work, and hands
 each step's outputs back to the event loop, where per-request queues feed streams.
 
-Callers (the worker actors) use `call` to run a function on the engine thread and
-`open_stream` / `close_stream` to receive a request's `SequenceOutput`s.
+A request's stream here: the worker opens it (`open_stream`) before adding the
+request, reads `SequenceOutput`s (and whatever else the worker `deliver`s, such as
+an import's outcome) until a finished one or `None`, which means the request was
+aborted, and closes it. Every abort goes through `abort`, which wakes the stream.
 """
 
 from __future__ import annotations
@@ -27,12 +29,23 @@ _IDLE_WAIT_S = 0.05
 
 
 class EngineLoop:
-    """One per worker process. Started in the actor's constructor, stopped at shutdown."""
+    """One per worker process, created on first use inside the actor's event loop (an
+    actor's constructor runs outside it); stopped at shutdown.
 
-    def __init__(self, engine: LLMEngine, on_iteration: Callable[[LLMEngine], None] | None = None):
+    `on_iteration(engine)` runs on the engine thread once per iteration (the workers
+    free blocks released by transports and start imports there); `on_abort(engine,
+    request_id)` runs on the engine thread right after every engine abort (the workers
+    release the request's export or cancel its transfer)."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_iteration: Callable[[LLMEngine], None] | None = None,
+        on_abort: Callable[[LLMEngine, str], None] | None = None,
+    ):
         self.engine = engine
         self.on_iteration = on_iteration
-        """Runs on the engine thread every iteration (e.g. free blocks released by transports)."""
+        self.on_abort = on_abort
         self.loop = asyncio.get_event_loop()
         self.commands: deque[tuple[Callable, asyncio.Future | None]] = deque()
         self.streams: dict[str, asyncio.Queue] = {}
@@ -40,6 +53,8 @@ class EngineLoop:
         self.running = True
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.thread.start()
+
+    # --- called on the event loop -------------------------------------------------------
 
     def call(self, fn: Callable[[LLMEngine], Any]) -> asyncio.Future:
         """Run `fn(engine)` on the engine thread; the future resolves with its result."""
@@ -57,16 +72,37 @@ class EngineLoop:
         self.streams.pop(request_id, None)
 
     def abort(self, request_id: str) -> asyncio.Future:
-        """Abort on the engine thread and end the request's stream, if one is open."""
+        """The one abort path of both worker kinds: end the request's stream (its reader
+        gets `None`), then abort it on the engine thread and run `on_abort`."""
         queue = self.streams.get(request_id)
         if queue is not None:
             queue.put_nowait(None)
-        return self.call(lambda e: e.abort(request_id))
+        return self.call(lambda e: self._abort(e, request_id))
 
     def stop(self) -> None:
         self.running = False
         self.wakeup.set()
         self.thread.join(timeout=5)
+
+    # --- called from any thread ---------------------------------------------------------
+
+    def post(self, fn: Callable[[LLMEngine], Any]) -> None:
+        """Queue `fn(engine)` for the engine thread without waiting for it (e.g. from a
+        transfer thread when its bytes have landed)."""
+        self.commands.append((fn, None))
+        self.wakeup.set()
+
+    def deliver(self, request_id: str, item: Any) -> None:
+        """Hand `item` to the request's stream; from the engine thread, in step order."""
+        self.loop.call_soon_threadsafe(self._put, request_id, item)
+
+    # --- the engine thread --------------------------------------------------------------
+
+    def _abort(self, engine: LLMEngine, request_id: str) -> bool:
+        aborted = engine.abort(request_id)
+        if self.on_abort is not None:
+            self.on_abort(engine, request_id)
+        return aborted
 
     def _run(self) -> None:
         while self.running:
@@ -92,14 +128,19 @@ class EngineLoop:
                 result, error = fn(self.engine), None
             except Exception as exc:  # handed to the awaiting caller, not lost
                 result, error = None, exc
+                if future is None:
+                    logger.exception("engine command failed")
             if future is not None:
                 self.loop.call_soon_threadsafe(_resolve, future, result, error)
 
     def _deliver(self, outputs: list[SequenceOutput]) -> None:
         for output in outputs:
-            queue = self.streams.get(output.request_id)
-            if queue is not None:
-                queue.put_nowait(output)
+            self._put(output.request_id, output)
+
+    def _put(self, request_id: str, item: Any) -> None:
+        queue = self.streams.get(request_id)
+        if queue is not None:
+            queue.put_nowait(item)
 
 
 def _resolve(future: asyncio.Future, result: Any, error: Exception | None) -> None:

@@ -26,3 +26,16 @@ def kernel_cache_dir() -> Path:
     """PDSERVE_KERNEL_CACHE: compiled native CPU kernels (default ~/.cache/pdserve/kernels)."""
     default = Path.home() / ".cache" / "pdserve" / "kernels"
     return Path(os.environ.get("PDSERVE_KERNEL_CACHE", default)).expanduser()
+
+
+def step_delay_s() -> float:
+    """PDSERVE_STEP_DELAY_S: tests and drills only: every engine step first sleeps this
+    long, a stand-in for a slower device, so request phases last long enough to act
+    on (default 0)."""
+    return float(os.environ.get("PDSERVE_STEP_DELAY_S", "0") or 0)
+
+
+def clock_skew_s() -> float:
+    """PDSERVE_CLOCK_SKEW_S: tests only: offset added to the clock worker-side timings
+    read (`engine.clock`), standing in for a node whose clock is off (default 0)."""
+    return float(os.environ.get("PDSERVE_CLOCK_SKEW_S", "0") or 0)

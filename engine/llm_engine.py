@@ -1,25 +1,34 @@
 """One engine = one model + one KV pool + one scheduler, stepped by its owner.
 
-Lifecycle of a request through `LLMEngine`:
-    add_request -> waiting -> scheduled in prefill pieces -> first token sampled
-    -> (prefill worker: leaves with its blocks for export | otherwise: decode steps)
-    -> stop condition -> finished, blocks back to the pool.
-A decode worker adds requests whose KV it imported with `add_prefilled`, which
-skips straight to decode. Workers and the CLI drive `step()` in their own loops.
+Lifecycle of a request through `LLMEngine` (see `engine.sequence` for who owns the
+blocks in each state):
+    add_request -> WAITING -> RUNNING in prefill pieces -> first token sampled
+    -> prefill worker: PREFILLED -> export_prefilled hands the blocks to a KV lease
+    -> otherwise: decode steps -> stop condition -> FINISHED, blocks back to the pool.
+A decode worker that receives a prompt's KV from a peer calls begin_import
+(IMPORTING, waiting for blocks) -> reserve_imports gives it blocks -> the transfer
+writes them -> finish_import -> READY -> RUNNING, decoding from the first token.
+`abort` ends a request in any state; every exit goes through `_drop`. Workers and
+the CLI drive `step()` in their own loops.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
+from engine import clock, envs
 from engine.block_manager import BlockAllocator, blocks_needed
 from engine.config import EngineConfig
 from engine.demo_model import resolve_model
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, RequestAbortedError
 from engine.kv_cache import KVCachePool, KVLayout
 from engine.model import LlamaForward
 from engine.model_runner import ModelRunner
@@ -31,6 +40,10 @@ from engine.sequence import Sequence, SequenceOutput, SequenceStatus
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_ABORTED_IDS_KEPT = 4096
+"""Aborts of requests not (yet) seen here, remembered so a late arrival is refused."""
 
 
 @dataclass
@@ -75,15 +88,27 @@ class LLMEngine:
         self.sampler = Sampler()
         self.tokenizer = Tokenizer(self.model_dir)
         self.sequences: dict[str, Sequence] = {}
+        """Every request this engine owns, whatever its status, until it finishes."""
+        self._aborted_ids: OrderedDict[str, None] = OrderedDict()
+        self.step_delay_s = envs.step_delay_s()
         self.prefill_batch_sizes: dict[int, int] = {}
         self.decode_batch_sizes: dict[int, int] = {}
 
     # --- requests -----------------------------------------------------------------
 
     def validate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        stop_after_prefill: bool = False,
     ) -> None:
-        """Raise InvalidRequestError for what this engine can never serve."""
+        """Raise InvalidRequestError for what this engine can never serve, and
+        RequestAbortedError for a request whose abort arrived before it did."""
+        if request_id in self._aborted_ids:
+            raise RequestAbortedError("aborted before it reached this worker", request_id)
+        if request_id in self.sequences:
+            raise InvalidRequestError("duplicate request id", request_id)
         if not prompt_token_ids:
             raise InvalidRequestError("prompt is empty", request_id)
         if len(prompt_token_ids) >= self.max_model_len:
@@ -92,17 +117,15 @@ class LLMEngine:
                 f"{self.max_model_len} tokens including at least one output token",
                 request_id,
             )
-        if (
-            blocks_needed(len(prompt_token_ids) + 1, self.config.block_size)
-            > self.config.num_kv_blocks
-        ):
+        tokens = len(prompt_token_ids) + (1 if stop_after_prefill else params.max_tokens)
+        tokens = min(tokens, self.max_model_len)
+        if blocks_needed(tokens, self.config.block_size) > self.config.num_kv_blocks:
             raise InvalidRequestError(
-                f"prompt of {len(prompt_token_ids)} tokens does not fit the KV pool "
-                f"({self.config.num_kv_blocks} blocks of {self.config.block_size})",
+                f"{len(prompt_token_ids)} prompt tokens plus up to "
+                f"{tokens - len(prompt_token_ids)} output tokens do not fit this worker's KV "
+                f"pool ({self.config.num_kv_blocks} blocks of {self.config.block_size})",
                 request_id,
             )
-        if request_id in self.sequences:
-            raise InvalidRequestError("duplicate request id", request_id)
 
     def add_request(
         self,
@@ -115,51 +138,108 @@ class LLMEngine:
     ) -> Sequence:
         """Queue a request. `output_token_ids` resumes one whose tokens were already decided
         elsewhere; `emitted_text_len` says how much of their text the client already has."""
-        self.validate(request_id, prompt_token_ids, params)
-        seq = Sequence(
-            request_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
-            params=params,
-            output_token_ids=list(output_token_ids or []),
-            stop_after_prefill=stop_after_prefill,
+        self.validate(request_id, prompt_token_ids, params, stop_after_prefill)
+        seq = self._new_sequence(
+            request_id, prompt_token_ids, params, output_token_ids, emitted_text_len
         )
-        self._replay_text(seq, emitted_text_len)
-        self.sequences[request_id] = seq
+        seq.stop_after_prefill = stop_after_prefill
         self.scheduler.add(seq)
         return seq
 
-    def reserve_blocks(self, num_tokens: int, request_id: str) -> list[int] | None:
-        """Blocks for an incoming KV import of `num_tokens`, or None when the pool is short."""
-        needed = blocks_needed(num_tokens, self.config.block_size)
-        if not self.allocator.can_allocate(needed):
-            return None
-        return self.allocator.allocate(needed, request_id)
-
-    def release_blocks(self, block_ids: list[int]) -> None:
-        self.allocator.free(block_ids)
-
-    def add_prefilled(
+    def begin_import(
         self,
         request_id: str,
         prompt_token_ids: list[int],
         output_token_ids: list[int],
         params: SamplingParams,
-        block_ids: list[int],
+        num_tokens: int,
         emitted_text_len: int | None = None,
     ) -> Sequence:
-        """Join the decode batch with KV already imported into `block_ids` (covering the prompt)."""
+        """A decode worker announces KV of `num_tokens` (the prompt) coming from a peer.
+        The sequence is IMPORTING: it waits for blocks, which `reserve_imports` hands out,
+        then its owner moves the bytes and calls `finish_import`."""
         self.validate(request_id, prompt_token_ids, params)
+        if num_tokens != len(prompt_token_ids):
+            raise InvalidRequestError(
+                f"import of {num_tokens} tokens for a {len(prompt_token_ids)}-token prompt",
+                request_id,
+            )
+        seq = self._new_sequence(
+            request_id, prompt_token_ids, params, output_token_ids, emitted_text_len
+        )
+        seq.import_tokens = num_tokens
+        self.scheduler.add_import(seq)
+        return seq
+
+    def reserve_imports(self) -> list[Sequence]:
+        """Called by the decode worker's engine loop every iteration: IMPORTING sequences
+        that just got their blocks; their transfers may start writing into them."""
+        return self.scheduler.reserve_imports()
+
+    def finish_import(self, request_id: str, ok: bool, recompute: bool) -> bool:
+        """The transfer into an IMPORTING sequence's blocks has stopped writing. On success
+        the sequence waits for a batch seat (READY); on failure it recomputes its prompt
+        here into the same blocks (`recompute`) or is dropped. An abort that arrived while
+        the bytes landed frees the blocks now. Returns whether the sequence lives on."""
+        seq = self.sequences.get(request_id)
+        if seq is None or seq.status != SequenceStatus.IMPORTING:
+            raise AssertionError(f"[request {request_id}] finish_import without an import")
+        if seq.abort_requested or not (ok or recompute):
+            self._drop(seq, "abort" if seq.abort_requested else "error")
+            return False
+        if ok:
+            seq.num_computed_tokens = seq.import_tokens
+            self.scheduler.add_ready(seq)
+        else:
+            seq.num_computed_tokens = 0
+            self.scheduler.add(seq)
+        return True
+
+    def cancel_import(self, request_id: str, recompute: bool) -> bool:
+        """The export went away while the sequence still waited for blocks: recompute the
+        prompt here instead, or drop it. False (and nothing done) once its blocks are
+        reserved: that transfer fails on its own and `finish_import` decides."""
+        seq = self.sequences.get(request_id)
+        if seq is None or seq.status != SequenceStatus.IMPORTING or seq.block_ids:
+            return False
+        self.scheduler.importing.remove(seq)
+        if recompute:
+            self.scheduler.add(seq)
+        else:
+            self._drop(seq, "error")
+        return True
+
+    def export_prefilled(self, request_id: str, export: Callable[[Sequence], T]) -> T:
+        """Hand a PREFILLED sequence's blocks to `export` (the KV sender, which pins them
+        under a lease and from then on owns them). If `export` raises, the blocks come
+        back to the pool here. Raises RequestAbortedError when the request is gone."""
+        seq = self.sequences.get(request_id)
+        if seq is None or seq.status != SequenceStatus.PREFILLED:
+            raise RequestAbortedError("aborted before its KV was exported", request_id)
+        try:
+            result = export(seq)
+        except BaseException:
+            self._drop(seq, "error")
+            raise
+        seq.block_ids = []  # owned by the export's lease now
+        self._drop(seq, "exported")
+        return result
+
+    def release_blocks(self, block_ids: list[int]) -> None:
+        """Blocks whose export lease ended (ack, abort, expiry) come back to the pool."""
+        self.allocator.free(block_ids)
+
+    def _new_sequence(
+        self, request_id, prompt_token_ids, params, output_token_ids, emitted_text_len
+    ) -> Sequence:
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             params=params,
-            output_token_ids=list(output_token_ids),
-            block_ids=list(block_ids),
-            num_computed_tokens=len(prompt_token_ids),
+            output_token_ids=list(output_token_ids or []),
         )
         self._replay_text(seq, emitted_text_len)
         self.sequences[request_id] = seq
-        self.scheduler.add_running(seq)
         return seq
 
     def _replay_text(self, seq: Sequence, emitted_text_len: int | None) -> None:
@@ -172,27 +252,48 @@ class LLMEngine:
         seq.emitted_text_len = min(known, len(seq.output_text))
 
     def abort(self, request_id: str) -> bool:
-        """Drop a request wherever it is; its blocks return to the pool. Idempotent."""
-        seq = self.sequences.pop(request_id, None)
+        """Drop a request wherever it is; its blocks return to the pool. Idempotent. An
+        abort for a request this engine has not seen yet is remembered, so the request is
+        refused if it arrives later (the abort overtook it). Blocks that a transfer is
+        writing are freed when it stops (`finish_import`)."""
+        seq = self.sequences.get(request_id)
         if seq is None:
+            self._remember_abort(request_id)
             return False
-        self.scheduler.finish(seq, release_blocks=seq.status != SequenceStatus.PREFILLED)
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = "abort"
+        if seq.status == SequenceStatus.IMPORTING and seq.block_ids:
+            seq.abort_requested = True
+            return True
+        self._drop(seq, "abort")
         return True
 
-    def take_prefilled(self, request_id: str) -> Sequence:
-        """Hand a PREFILLED sequence (and ownership of its blocks) to the caller."""
-        seq = self.sequences.pop(request_id)
-        assert seq.status == SequenceStatus.PREFILLED, seq.status
-        return seq
+    def _remember_abort(self, request_id: str) -> None:
+        self._aborted_ids[request_id] = None
+        while len(self._aborted_ids) > _ABORTED_IDS_KEPT:
+            self._aborted_ids.popitem(last=False)
+
+    def _drop(self, seq: Sequence, reason: str) -> None:
+        """Every way out of the engine ends here: blocks freed, sequence forgotten."""
+        self.scheduler.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = seq.finish_reason or reason
+        self.sequences.pop(seq.request_id, None)
+
+    def request_states(self) -> dict[str, str]:
+        """Request id -> status name (and `+blocks` when it holds any), for leak checks
+        and operators (`/admin/workers`)."""
+        return {
+            rid: seq.status.name.lower() + ("+blocks" if seq.block_ids else "")
+            for rid, seq in self.sequences.items()
+        }
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
     def stats(self) -> EngineStats:
         return EngineStats(
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting)
+            + len(self.scheduler.ready)
+            + len(self.scheduler.importing),
             num_running=len(self.scheduler.running),
             free_blocks=self.allocator.num_free,
             total_blocks=self.allocator.num_blocks,
@@ -208,6 +309,8 @@ class LLMEngine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
         self._count_batch(chunks)
         result = self.runner.run(chunks)
         for chunk in chunks:
@@ -243,12 +346,14 @@ class LLMEngine:
         prefilled = False
         if reason is not None and not seq.params.stop:
             seq.output_text += seq.detokenizer.flush()
+        if seq.first_token_at is None:
+            seq.first_token_at = clock.now()
         if reason is not None:
-            self._finish(seq, reason)
+            seq.finish_reason = reason
+            self._drop(seq, reason)
         elif seq.stop_after_prefill:
             prefilled = True
-            self.scheduler.finish(seq, release_blocks=False)
-            seq.status = SequenceStatus.PREFILLED
+            self.scheduler.leave_batch(seq)
         return SequenceOutput(
             request_id=seq.request_id,
             new_token_ids=[token_id],
@@ -259,12 +364,6 @@ class LLMEngine:
             num_output_tokens=len(seq.output_token_ids),
             prefilled=prefilled,
         )
-
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        seq.finish_reason = reason
-        self.scheduler.finish(seq)
-        seq.status = SequenceStatus.FINISHED
-        self.sequences.pop(seq.request_id, None)
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         params = seq.params

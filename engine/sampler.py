@@ -4,6 +4,9 @@ A seeded request draws its n-th token from a generator seeded by (seed, n), not
 from a generator that carries state across steps. So the same request gives the
 same tokens whatever batch it rides in, and a request that migrates to another
 worker mid-stream continues exactly as it would have.
+
+Generators live on the device of the logits they draw noise for: a CPU generator
+cannot fill a CUDA tensor, and would crash every sampled request on a GPU worker.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ class Sampler:
     """Called by the engine once per step with the logits of sequences that need a token."""
 
     def __init__(self) -> None:
-        self.unseeded = torch.Generator()
-        self.unseeded.seed()
+        self.unseeded: dict[torch.device, torch.Generator] = {}
+        """One self-seeded generator per device, for requests without a seed."""
 
     def sample(
         self,
@@ -47,12 +50,18 @@ class Sampler:
         probs = torch.softmax(logits, dim=-1)
         if p.top_p < 1.0:
             probs = _top_p_filter(probs, p.top_p)
-        generator = self.unseeded
-        if p.seed is not None:
-            generator = torch.Generator().manual_seed(step_seed(p.seed, output_index))
+        generator = self._generator(probs.device, p.seed, output_index)
         # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p in one pass.
         noise = torch.empty_like(probs).exponential_(generator=generator)
         return int((probs / noise).argmax())
+
+    def _generator(self, device: torch.device, seed: int | None, index: int) -> torch.Generator:
+        if seed is not None:
+            return torch.Generator(device=device).manual_seed(step_seed(seed, index))
+        if device not in self.unseeded:
+            self.unseeded[device] = torch.Generator(device=device)
+            self.unseeded[device].seed()
+        return self.unseeded[device]
 
 
 def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:

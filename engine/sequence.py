@@ -1,21 +1,36 @@
-"""A request's state inside one engine: tokens, KV blocks, progress, stop conditions."""
+"""A request's state inside one engine: tokens, KV blocks, progress, stop conditions.
+
+Who owns a sequence's blocks is named by its status:
+
+    WAITING    queued for compute (a fresh prompt, a preempted or recomputed one); may
+               already hold blocks (a failed import recomputes into its reserved ones)
+    IMPORTING  its KV is coming from a peer: first it waits for blocks, then a transfer
+               writes into them. An abort while bytes are landing only marks it; the
+               blocks are freed when the transfer stops writing (`finish_import`).
+    READY      its KV is in the pool (imported); waiting for a seat in the decode batch
+    RUNNING    in the batch: prefilling in chunks or decoding one token per step
+    PREFILLED  prompt done and first token sampled on a prefill worker; the blocks wait
+               for `export_prefilled`, which hands them to the KV sender's lease
+    FINISHED   stopped, aborted or handed off; holds no blocks
+"""
 
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
+from engine import clock
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.IntEnum):
     WAITING = 0
-    RUNNING = 1
-    PREFILLED = 2
-    """Prompt done and first token sampled; blocks kept for a KV export."""
-    FINISHED = 3
+    IMPORTING = 1
+    READY = 2
+    RUNNING = 3
+    PREFILLED = 4
+    FINISHED = 5
 
 
 @dataclass
@@ -31,9 +46,15 @@ class Sequence:
     finish_reason: str | None = None
     stop_after_prefill: bool = False
     """Prefill workers set this: the sequence leaves the engine after its first token."""
-    arrival_time: float = field(default_factory=time.monotonic)
+    import_tokens: int = 0
+    """IMPORTING: tokens of KV the peer sends (the prompt)."""
+    abort_requested: bool = False
+    """IMPORTING with bytes landing: aborted, freed once the transfer stops writing."""
+    arrival_time: float = field(default_factory=clock.now)
     first_scheduled_at: float | None = None
-    """Wall-clock time the scheduler first gave this sequence compute (queue wait ends)."""
+    """Monotonic time the scheduler first gave this sequence compute (queue wait ends)."""
+    first_token_at: float | None = None
+    """Monotonic time its first token in this engine was sampled."""
     detokenizer: IncrementalDetokenizer | None = None
     output_text: str = ""
     emitted_text_len: int = 0

@@ -51,6 +51,8 @@ class FailureReason(str, enum.Enum):
     UNKNOWN_REQUEST = "unknown_request"
     UNAUTHORIZED = "unauthorized"
     DROPPED = "dropped"
+    CANCELLED = "cancelled"
+    """The receiving request was aborted while its bytes were moving."""
     INTERNAL = "internal"
 
 
@@ -163,6 +165,10 @@ class KVSender(ABC):
         """Called by the metrics layer whenever it reports; a snapshot of counters."""
         raise NotImplementedError
 
+    def leased_request_ids(self) -> list[str]:
+        """Called by the worker's `debug_state`: requests whose blocks are pinned now."""
+        raise NotImplementedError
+
     def close(self) -> None:
         """Called once at worker shutdown."""
 
@@ -184,6 +190,11 @@ class KVReceiver(ABC):
         blocks are written (DONE) or the transfer failed. Never raises for transfer
         failures: they come back as a result with state < PENDING and a reason. On
         failure the caller frees `dst_block_ids`."""
+
+    def cancel(self, request_id: str) -> None:
+        """Called by the decode worker when a request is aborted while its fetch runs (on
+        any thread): the fetch fails with CANCELLED at its next piece or wait."""
+        raise NotImplementedError
 
     def keepalive(self, ticket: ExportTicket, timeout_s: float = 5.0) -> bool:
         """Called by the decode worker while a ticket waits (e.g. for free blocks): extends

@@ -139,6 +139,11 @@ class ExportRegistry:
             if record is not None and record.state == TransferState.TRANSFERRING:
                 record.state = TransferState.PENDING
 
+    def request_ids(self) -> list[str]:
+        """Requests whose blocks are pinned right now (leak checks, `/admin/workers`)."""
+        with self._lock:
+            return list(self._records)
+
     def get(self, request_id: str) -> ExportRecord | None:
         with self._lock:
             record = self._records.get(request_id)

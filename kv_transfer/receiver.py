@@ -32,6 +32,30 @@ from kv_transfer.stats import ReceiverStats, bump
 logger = logging.getLogger(__name__)
 
 
+class _Cancellations:
+    """Fetches whose request was aborted while their bytes were moving. Every transport
+    waits through `remaining`, which fails a cancelled fetch at its next piece or wait,
+    so the destination blocks are released within a piece's time, not at the timeout."""
+
+    def __init__(self) -> None:
+        self._ids: set[str] = set()
+        self._lock = threading.Lock()
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            self._ids.add(request_id)
+
+    def clear(self, request_id: str) -> None:
+        with self._lock:
+            self._ids.discard(request_id)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._ids
+
+
+CANCELLED_FETCHES = _Cancellations()
+
+
 class TransportReceiver(KVReceiver):
     """Subclasses implement `_pull`: move the bytes, return the transport that did."""
 
@@ -61,6 +85,7 @@ class TransportReceiver(KVReceiver):
         start = time.monotonic()
         result = TransferResult(ticket.request_id, TransferState.FAILED, self.name)
         try:
+            remaining(start + timeout_s, ticket)
             check_layout(ticket, self.pool.layout, ticket.sender_id)
             if len(dst_block_ids) != len(ticket.block_ids):
                 raise KVTransferError(
@@ -80,9 +105,14 @@ class TransportReceiver(KVReceiver):
         except Exception as exc:  # a bug must not take the decode loop down with it
             logger.exception("[request %s] KV fetch crashed", ticket.request_id)
             result.reason, result.message = FailureReason.INTERNAL, repr(exc)
+        finally:
+            CANCELLED_FETCHES.clear(ticket.request_id)
         result.seconds = time.monotonic() - start
         self._count(result)
         return result
+
+    def cancel(self, request_id: str) -> None:
+        CANCELLED_FETCHES.cancel(request_id)
 
     def _count(self, result: TransferResult) -> None:
         with self._lock:
@@ -106,7 +136,15 @@ class TransportReceiver(KVReceiver):
 
 
 def remaining(deadline: float, ticket: ExportTicket) -> float:
-    """Seconds left before `deadline`; raises TIMEOUT when none are."""
+    """Seconds left before `deadline`; raises TIMEOUT when none are, CANCELLED when the
+    request's fetch was cancelled."""
+    if ticket.request_id in CANCELLED_FETCHES:
+        raise KVTransferError(
+            "cancelled: the request was aborted",
+            ticket.request_id,
+            ticket.sender_id,
+            FailureReason.CANCELLED,
+        )
     left = deadline - time.monotonic()
     if left <= 0:
         raise KVTransferError(

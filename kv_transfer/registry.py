@@ -26,6 +26,10 @@ TRANSPORTS: dict[str, tuple[str, str, str]] = {
     "auto": ("kv_transfer.transports.auto", "make_auto_sender", "AutoReceiver"),
 }
 
+CROSS_PROCESS_TRANSPORTS = frozenset(TRANSPORTS) - {"local"}
+"""Transports that connect a sender and a receiver in different processes; `local`
+reaches only a sender in the receiver's own process."""
+
 
 def _lookup(name: str, index: int):
     if name not in TRANSPORTS:

@@ -100,6 +100,9 @@ class RegistrySender(KVSender):
     def stats(self) -> SenderStats:
         return self.registry.stats()
 
+    def leased_request_ids(self) -> list[str]:
+        return self.registry.request_ids()
+
     def close(self) -> None:
         for server in self.servers:
             server.close()

@@ -65,10 +65,14 @@ class PeerState:
         self.engine.add_request(request_id, prompt, params, stop_after_prefill=True)
         while self.engine.has_unfinished():
             self.engine.step()
-        seq = self.engine.take_prefilled(request_id)
-        ticket = self.senders[key].export(request_id, seq.block_ids, len(prompt), "decode")
-        blocks = self.pool.read_blocks(seq.block_ids).numpy().tobytes()
-        return ticket.to_dict(), blocks, list(seq.output_token_ids), expected
+
+        def export(seq):
+            ticket = self.senders[key].export(request_id, seq.block_ids, len(prompt), "decode")
+            blocks = self.pool.read_blocks(seq.block_ids).numpy().tobytes()
+            return ticket.to_dict(), blocks, list(seq.output_token_ids)
+
+        ticket, blocks, first = self.engine.export_prefilled(request_id, export)
+        return ticket, blocks, first, expected
 
     def ack(self, key: str, request_id: str) -> None:
         self.senders[key].ack(request_id)

@@ -46,14 +46,21 @@ def test_read_and_write_blocks_move_a_request_between_pools(tiny_llama_dir):
     source.add_request("r", prompt, params, stop_after_prefill=True)
     while source.has_unfinished():
         source.step()
-    seq = source.take_prefilled("r")
-    exported = source.kv_pool.read_blocks(seq.block_ids)
-    blocks = target.reserve_blocks(len(prompt), "r")
-    target.kv_pool.write_blocks(blocks, exported)
-    source.release_blocks(seq.block_ids)
-    assert torch.equal(target.kv_pool.read_blocks(blocks), exported)
+    exported, first, lent = source.export_prefilled(
+        "r",
+        lambda seq: (
+            source.kv_pool.read_blocks(seq.block_ids),
+            seq.output_token_ids,
+            seq.block_ids,
+        ),
+    )
+    imported = target.begin_import("r", prompt, first, params, len(prompt))
+    assert target.reserve_imports() == [imported]
+    target.kv_pool.write_blocks(imported.block_ids, exported)
+    source.release_blocks(lent)  # what the sender's lease does on ack
+    assert torch.equal(target.kv_pool.read_blocks(imported.block_ids), exported)
 
-    imported = target.add_prefilled("r", prompt, seq.output_token_ids, params, blocks)
+    assert target.finish_import("r", ok=True, recompute=False)
     while target.has_unfinished():
         target.step()
 

@@ -45,12 +45,13 @@ def decode_engine(tiny_llama_dir):
 
 def _import_and_decode(engine, receiver, ticket: ExportTicket, prompt, first_tokens):
     """Decode side, steps 2-4: reserve, fetch, decode; returns (result, blocks, tokens)."""
-    dst = engine.reserve_blocks(len(prompt), ticket.request_id)
-    result = receiver.fetch(ticket, dst, timeout_s=20)
-    assert result.ok, result.message
-    blocks = engine.kv_pool.read_blocks(dst).numpy().tobytes()
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    seq = engine.add_prefilled(ticket.request_id, prompt, first_tokens, params, dst)
+    seq = engine.begin_import(ticket.request_id, prompt, first_tokens, params, len(prompt))
+    assert engine.reserve_imports() == [seq]
+    result = receiver.fetch(ticket, seq.block_ids, timeout_s=20)
+    assert result.ok, result.message
+    blocks = engine.kv_pool.read_blocks(seq.block_ids).numpy().tobytes()
+    assert engine.finish_import(ticket.request_id, result.ok, recompute=False)
     while engine.has_unfinished():
         engine.step()
     return result, blocks, seq.output_token_ids
@@ -99,10 +100,12 @@ def test_local_transport_in_one_process(tiny_llama_dir, decode_engine):
     prefill.add_request("r", PROMPT, params, stop_after_prefill=True)
     while prefill.has_unfinished():
         prefill.step()
-    seq = prefill.take_prefilled("r")
-    ticket = sender.export("r", seq.block_ids, len(PROMPT), "decode-local")
-    sent = prefill.kv_pool.read_blocks(seq.block_ids).numpy().tobytes()
 
+    def export(seq):
+        ticket = sender.export("r", seq.block_ids, len(PROMPT), "decode-local")
+        return ticket, prefill.kv_pool.read_blocks(seq.block_ids).numpy().tobytes(), seq
+
+    ticket, sent, seq = prefill.export_prefilled("r", export)
     result, received, tokens = _import_and_decode(
         decode_engine, receiver, ticket, PROMPT, seq.output_token_ids
     )

@@ -7,6 +7,7 @@ it into .tools/); tests needing them skip, saying so, only where neither copy ex
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -24,6 +25,7 @@ from bench.server_process import ServerProcess, free_port
 from cluster.metrics import ClusterMetrics
 from cluster.timeline import RequestTimeline
 from engine.block_manager import blocks_needed
+from engine.worker_messages import HealthReport
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS_BIN = ROOT / ".tools" / "prometheus" / "usr" / "bin"
@@ -102,16 +104,27 @@ def test_failed_transfer_is_counted_by_reason_and_link():
 
 
 def test_gpu_series_absent_without_nvml_and_present_with_a_report():
-    worker = SimpleNamespace(worker_id="decode-0", role="decode", alive=True, restarts=2, load={})
+    worker = SimpleNamespace(worker_id="decode-0", role="decode", alive=True, restarts=2, load=None)
     controller = SimpleNamespace(
         workers={"decode-0": worker}, config=SimpleNamespace(transport="auto")
     )
     metrics = ClusterMetrics(controller)
-    worker.load = {"total_blocks": 8, "free_blocks": 8, "gpu": None}
+    worker.load = HealthReport(
+        "decode-0",
+        "decode",
+        queue_depth=0,
+        free_blocks=8,
+        total_blocks=8,
+        num_running=0,
+        num_waiting=0,
+        num_threads=1,
+        pid=1,
+    )
     text = metrics.render().decode()
     assert "pdserve_gpu_memory_used_bytes{" not in text
     assert "# TYPE pdserve_gpu_memory_used_bytes gauge" in text
-    worker.load["gpu"] = {"utilization_ratio": 0.5, "memory_used_bytes": 3, "memory_total_bytes": 9}
+    gpu = {"utilization_ratio": 0.5, "memory_used_bytes": 3, "memory_total_bytes": 9}
+    worker.load = dataclasses.replace(worker.load, gpu=gpu)
     text = metrics.render().decode()
     assert value(text, "pdserve_gpu_memory_total_bytes", worker="decode-0") == 9
     assert value(text, "pdserve_worker_restarts_total", worker="decode-0") == 2

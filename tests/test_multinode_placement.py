@@ -46,7 +46,7 @@ def test_each_actor_lands_on_its_pool_node_and_generation_crosses_nodes(
         cluster = await PDCluster(config).start()
         try:
             placement = {
-                w.worker_id: (await w.handle.check_health.remote())["node_id"]
+                w.worker_id: (await w.handle.check_health.remote()).node_id
                 for w in cluster.controller.workers.values()
             }
             outputs = await generate_all(cluster, prompts)

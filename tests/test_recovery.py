@@ -52,7 +52,7 @@ async def stream_tokens(cluster, prompt, started: asyncio.Event, min_chunks: int
 
 
 async def pid_of(cluster, worker_id: str) -> int:
-    return (await cluster.controller.workers[worker_id].handle.check_health.remote())["pid"]
+    return (await cluster.controller.workers[worker_id].handle.check_health.remote()).pid
 
 
 async def run_with_strike(cluster, strike) -> list[tuple[list[int], dict]]:

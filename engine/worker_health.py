@@ -1,0 +1,68 @@
+"""The health report every worker builds in `check_health`; shared by both worker kinds.
+
+The controller's watchdog calls `check_health` every `health_interval_s`; the router
+reads the load fields of the `HealthReport` and the metrics layer the rest.
+"""
+
+from __future__ import annotations
+
+import os
+
+from engine.engine_loop import EngineLoop
+from engine.gpu_stats import read_gpu_stats
+from engine.llm_engine import LLMEngine
+from engine.worker_messages import HealthReport
+
+
+def health_report(
+    worker_id: str,
+    role: str,
+    engine: LLMEngine,
+    loop: EngineLoop,
+    transfer=None,
+    last_transfer: dict[str, str] | None = None,
+) -> HealthReport:
+    """Raises when the worker cannot serve (its engine thread died)."""
+    import torch
+
+    if not loop.thread.is_alive():
+        raise RuntimeError(f"{role} worker {worker_id}: engine thread died")
+    stats = engine.stats()
+    return HealthReport(
+        worker_id=worker_id,
+        role=role,
+        queue_depth=stats.num_waiting + stats.num_running,
+        free_blocks=stats.free_blocks,
+        total_blocks=stats.total_blocks,
+        num_running=stats.num_running,
+        num_waiting=stats.num_waiting,
+        num_threads=torch.get_num_threads(),
+        pid=os.getpid(),
+        node_id=node_id(),
+        batch_sizes={"prefill": stats.prefill_batch_sizes, "decode": stats.decode_batch_sizes},
+        gpu=read_gpu_stats(engine.config.device),
+        transfer=transfer,
+        last_transfer=dict(last_transfer or {}),
+    )
+
+
+def engine_state(engine: LLMEngine) -> dict:
+    """A worker's `debug_state` (leak checks in tests and drills, `/admin/workers`); run
+    on the engine thread, which owns what it reads."""
+    return {
+        "used_blocks": engine.allocator.num_used,
+        "sequences": len(engine.sequences),
+        "requests": engine.request_states(),
+    }
+
+
+def node_ip() -> str | None:
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else None
+
+
+def node_id() -> str | None:
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None

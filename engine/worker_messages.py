@@ -1,0 +1,130 @@
+"""What crosses Ray between the driver and the workers: small typed dataclasses.
+
+    driver ── PrefillRequest ──> prefill worker ── PrefillResult | ErrorEvent ──> driver
+    driver ── DecodeRequest ──> decode worker ── stream of ImportEvent, TokenEvent...,
+                                                  ending with a finished TokenEvent or
+                                                  an ErrorEvent
+    controller ── check_health() ──> any worker ── HealthReport
+
+Timings are durations measured on the worker's own monotonic clock, never wall-clock
+stamps: the driver composes them with its own monotonic stamps, so clock skew between
+nodes cannot shift or hide a phase.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.errors import EngineError
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    peer_id: str
+    """The decode worker the export is meant for (the lease's expected reader)."""
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """The first token and, unless the request already finished, the export ticket."""
+
+    request_id: str
+    worker_id: str
+    first_token_id: int
+    first_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    ticket: Any | None
+    """`kv_transfer.ExportTicket` of the pinned blocks; the decode worker pulls them."""
+    queue_s: float
+    """Arrival at the worker until the scheduler gave the prompt compute."""
+    prefill_s: float
+    """From then until the first token was sampled."""
+    export_s: float
+    """From the first token until the export ticket was ready (0 when none)."""
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    """Tokens already decided (by prefill or an earlier decode worker)."""
+    params: SamplingParams
+    emitted_text_len: int
+    """Characters of their text the client already has."""
+    ticket: Any | None = None
+    """Export ticket to import the prompt's KV from; None prefills here (colocated,
+    recovery, decode-side prefill)."""
+
+
+@dataclass(frozen=True)
+class ImportEvent:
+    """First item of a decode stream that was given a ticket: how the import went."""
+
+    ok: bool
+    transport: str
+    num_bytes: int
+    reason: str | None
+    """`kv_transfer.FailureReason` value when it failed."""
+    message: str
+    admission_s: float
+    """Waiting for free blocks in the decode pool."""
+    transfer_s: float
+    """Moving the bytes (the receiver's fetch)."""
+    worker_id: str
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    num_output_tokens: int
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    """A request failed inside a worker. `kind` is an `EngineError.kind` or
+    `transfer_failed`, which the frontend maps to a status code."""
+
+    request_id: str
+    kind: str
+    message: str
+
+    @classmethod
+    def of(cls, request_id: str, exc: BaseException) -> ErrorEvent:
+        if isinstance(exc, EngineError):
+            return cls(request_id, exc.kind, exc.message)
+        return cls(request_id, "internal", f"{type(exc).__name__}: {exc}")
+
+
+@dataclass(frozen=True)
+class HealthReport:
+    """A worker's answer to `check_health`: the router reads its load, metrics the rest."""
+
+    worker_id: str
+    role: str
+    queue_depth: int
+    free_blocks: int
+    total_blocks: int
+    num_running: int
+    num_waiting: int
+    num_threads: int
+    pid: int
+    node_id: str | None = None
+    batch_sizes: dict[str, dict[int, int]] = field(default_factory=dict)
+    """`prefill` / `decode` -> {batch size: steps}."""
+    gpu: dict | None = None
+    transfer: Any | None = None
+    """`kv_transfer` SenderStats (prefill) or ReceiverStats (decode); None colocated."""
+    last_transfer: dict[str, str] = field(default_factory=dict)
+    """Decode workers: prefill worker id -> how its last request's KV arrived
+    (a transport name, or `recomputed` when it was prefilled here instead)."""

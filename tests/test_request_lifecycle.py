@@ -1,0 +1,363 @@
+"""Every request owned, aborted and released exactly once: the engine's states and the
+driver's request owner, without Ray (fake worker handles stand in for the actors)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from cluster.config import ClusterConfig, ConfigError
+from cluster.request import ClusterRequest, RequestFailedError
+from cluster.request_flow import RequestFlow
+from cluster.router import Router, WorkerInfo
+from cluster.timeline import RequestTimeline
+from engine.errors import InvalidRequestError, RequestAbortedError
+from engine.sampling_params import SamplingParams
+from engine.sequence import SequenceStatus
+from engine.worker_messages import ErrorEvent, ImportEvent, PrefillResult, TokenEvent
+from tests.conftest import assert_no_leaks, make_engine
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def prompt_of(n: int) -> list[int]:
+    return [(7 * i) % 300 + 3 for i in range(n)]
+
+
+def run_until_idle(engine, steps: int = 500) -> None:
+    for _ in range(steps):
+        if not engine.has_unfinished():
+            return
+        engine.step()
+    raise AssertionError("engine did not go idle")
+
+
+def prefilled(engine, request_id: str, prompt: list[int]):
+    engine.add_request(request_id, prompt, GREEDY, stop_after_prefill=True)
+    run_until_idle(engine)
+    assert engine.sequences[request_id].status == SequenceStatus.PREFILLED
+    return engine.sequences[request_id]
+
+
+# --- the engine: an abort frees blocks in every state ---------------------------------
+
+
+@pytest.mark.parametrize("state", ["waiting", "running", "prefilled", "ready"])
+def test_abort_frees_the_blocks_of_a_request_in_any_state(tiny_llama_dir, state):
+    engine = make_engine(tiny_llama_dir, prefill_chunk_size=8, max_batch_tokens=8)
+    prompt = prompt_of(30)
+    if state == "prefilled":
+        prefilled(engine, "r", prompt)
+    elif state == "ready":
+        engine.begin_import("r", prompt, [5], GREEDY, len(prompt))
+        engine.reserve_imports()
+        engine.finish_import("r", ok=True, recompute=False)
+    else:
+        engine.add_request("r", prompt, GREEDY)
+        if state == "running":
+            engine.step()  # the first 8-token chunk: running, partly prefilled
+    assert engine.sequences["r"].status.name.lower() == state
+    assert engine.allocator.num_used > 0 or state == "waiting"
+
+    assert engine.abort("r")
+    assert_no_leaks(engine)
+    assert engine.sequences == {}
+
+
+def test_an_import_aborted_while_bytes_land_is_freed_when_the_transfer_stops(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+    prompt = prompt_of(20)
+    # 1. waiting for blocks: the abort frees nothing because nothing is held
+    engine.begin_import("early", prompt, [5], GREEDY, len(prompt))
+    assert engine.abort("early")
+    assert engine.reserve_imports() == []
+    assert_no_leaks(engine)
+    # 2. blocks reserved, a transfer writing: the abort only marks it
+    seq = engine.begin_import("late", prompt, [5], GREEDY, len(prompt))
+    assert engine.reserve_imports() == [seq]
+    held = engine.allocator.num_used
+    assert held > 0 and engine.abort("late")
+    assert engine.allocator.num_used == held
+    # 3. the transfer stops writing: now the blocks come back, and nothing decodes
+    assert not engine.finish_import("late", ok=True, recompute=False)
+    assert_no_leaks(engine)
+
+
+def test_a_failed_import_recomputes_into_its_blocks_or_is_dropped(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+    prompt = prompt_of(20)
+    expected = make_engine(tiny_llama_dir).generate([prompt], GREEDY)[0].output_token_ids
+    seq = engine.begin_import("r", prompt, [], GREEDY, len(prompt))
+    engine.reserve_imports()
+    assert engine.finish_import("r", ok=False, recompute=True)
+    run_until_idle(engine)
+    assert seq.output_token_ids == expected
+    engine.begin_import("x", prompt, [], GREEDY, len(prompt))
+    engine.reserve_imports()
+    assert not engine.finish_import("x", ok=False, recompute=False)
+    assert_no_leaks(engine)
+
+
+def test_an_abort_that_overtakes_its_request_refuses_it_later(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+    assert not engine.abort("ghost")
+    with pytest.raises(RequestAbortedError, match="ghost"):
+        engine.add_request("ghost", prompt_of(5), GREEDY)
+    with pytest.raises(RequestAbortedError):
+        engine.begin_import("ghost", prompt_of(5), [1], GREEDY, 5)
+    assert_no_leaks(engine)
+
+
+def test_a_raising_export_frees_its_blocks(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+    prefilled(engine, "r", prompt_of(30))
+    assert engine.allocator.num_used > 0
+
+    def broken_export(_seq):
+        raise ConnectionError("sender is gone")
+
+    with pytest.raises(ConnectionError):
+        engine.export_prefilled("r", broken_export)
+    assert_no_leaks(engine)
+    with pytest.raises(RequestAbortedError):  # and it cannot be exported twice
+        engine.export_prefilled("r", broken_export)
+
+
+def test_an_export_hands_the_blocks_to_its_lease(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+    prefilled(engine, "r", prompt_of(30))
+    lent = engine.export_prefilled("r", lambda seq: list(seq.block_ids))
+    assert engine.sequences == {} and engine.allocator.num_used == len(lent)
+    engine.release_blocks(lent)  # what the lease's ack / abort / expiry triggers
+    assert_no_leaks(engine)
+
+
+def test_max_num_seqs_bounds_the_batch_with_16_imports(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir, max_num_seqs=4)
+    reference = make_engine(tiny_llama_dir)
+    prompts = [prompt_of(9 + i) for i in range(16)]
+    expected = [s.output_token_ids for s in reference.generate(prompts, GREEDY)]
+    firsts = [tokens[0] for tokens in expected]
+    seqs = [
+        engine.begin_import(f"r{i}", p, [firsts[i]], GREEDY, len(p)) for i, p in enumerate(prompts)
+    ]
+    for seq in engine.reserve_imports():
+        # The KV the prefill side would send: computed here by a twin engine.
+        source = make_engine(tiny_llama_dir)
+        source_seq = prefilled(source, seq.request_id, seq.prompt_token_ids)
+        engine.kv_pool.write_blocks(seq.block_ids, source.kv_pool.read_blocks(source_seq.block_ids))
+        engine.finish_import(seq.request_id, ok=True, recompute=False)
+    most = 0
+    while engine.has_unfinished():
+        engine.step()
+        most = max(most, len(engine.scheduler.running))
+    assert most == 4
+    assert [s.output_token_ids for s in seqs] == expected
+    assert_no_leaks(engine)
+
+
+def test_a_request_that_fits_the_context_but_not_the_pool_is_refused_at_once(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir, num_kv_blocks=4, block_size=8, max_model_len=256)
+    with pytest.raises(InvalidRequestError, match="do not fit"):
+        engine.add_request("r", prompt_of(20), SamplingParams(max_tokens=20))
+    engine.add_request("ok", prompt_of(20), SamplingParams(max_tokens=12))  # 32 tokens fit
+    run_until_idle(engine)
+    assert_no_leaks(engine)
+
+
+# --- configs that cannot work -----------------------------------------------------------
+
+
+def test_pools_too_small_for_one_max_length_sequence_are_refused(tiny_llama_dir):
+    config = ClusterConfig(model=str(tiny_llama_dir), block_size=8, decode_kv_blocks=10)
+    with pytest.raises(ConfigError, match="decode_kv_blocks=10 cannot hold one 512-token"):
+        config.check_pools(512)
+    config.replace(max_model_len=80).check_pools(80)
+
+    from cluster.cluster import PDCluster
+
+    with pytest.raises(ConfigError, match="decode_kv_blocks"):
+        PDCluster(config)  # before any Ray actor starts
+
+
+def test_a_transport_that_cannot_join_two_processes_is_refused():
+    with pytest.raises(ConfigError, match="'local' moves KV only within one process"):
+        ClusterConfig(transport="local")
+    ClusterConfig(transport="local", mode="colocated")
+    with pytest.raises(ConfigError, match="transport_options"):
+        ClusterConfig(transport_options={"chunk_bytes": -1})
+
+
+# --- the driver's request owner, against fake workers -----------------------------------
+
+
+class FakeWorker:
+    """Stands in for a Ray actor handle: records calls, answers from a script."""
+
+    def __init__(self, worker_id: str, role: str, script=None):
+        self.info = WorkerInfo(worker_id, role, handle=self)
+        self.calls: list[tuple[str, str]] = []
+        self.script = script or {}
+        self.gate = asyncio.Event()
+        self.prefill = _Method(self._prefill)
+        self.generate = _Method(self._generate)
+        self.abort = _Method(lambda rid: self._record("abort", rid))
+        self.ack = _Method(lambda rid: self._record("ack", rid))
+
+    def _record(self, name: str, rid: str):
+        self.calls.append((name, rid))
+
+    async def _prefill(self, request):
+        self._record("prefill", request.request_id)
+        await self.gate.wait()
+        return self.script["prefill"](request)
+
+    async def _generate(self, request):
+        self._record("generate", request.request_id)
+        for item in self.script["generate"](request):
+            await self.gate.wait()
+            yield item
+
+
+class _Method:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def options(self, **_):
+        return self
+
+    def remote(self, *args):
+        result = self.fn(*args)
+        if hasattr(result, "__aiter__"):
+            return _Stream(result)
+        if asyncio.iscoroutine(result):
+            return asyncio.ensure_future(result)
+        return None
+
+
+class _Stream:
+    def __init__(self, agen):
+        self.agen = agen
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        item = await self.agen.__anext__()
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(item)
+        return future
+
+
+def result_of(request, ticket=True) -> PrefillResult:
+    return PrefillResult(
+        request.request_id,
+        "prefill-0",
+        7,
+        "x",
+        False,
+        None,
+        len(request.prompt_token_ids),
+        ticket=SimpleNamespace(num_tokens=3) if ticket else None,
+        queue_s=0.0,
+        prefill_s=0.0,
+        export_s=0.0,
+    )
+
+
+def tokens_of(request):
+    yield ImportEvent(True, "shm", 100, None, "", 0.0, 0.0, "decode-0")
+    yield TokenEvent([8], "y", False, None, 2)
+    yield TokenEvent([9], "z", True, "length", 3)
+
+
+def cluster_of(prefill: FakeWorker, decode: FakeWorker):
+    config = ClusterConfig(transport="shm", recovery_timeout_s=0.5)
+    workers = {w.info.worker_id: w.info for w in (prefill, decode)}
+    flow = RequestFlow(config, Router("round_robin", workers), lambda w, why: None)
+    return flow, workers
+
+
+def open_request(request_id="r1") -> ClusterRequest:
+    return ClusterRequest(request_id, [1, 2, 3], GREEDY, RequestTimeline(request_id, 0.0))
+
+
+async def consume(flow, req, count=None):
+    chunks = []
+    stream = flow.run(req)
+    try:
+        async for chunk in stream:
+            chunks.append(chunk)
+            if count is not None and len(chunks) >= count:
+                break
+    finally:
+        await stream.aclose()
+    return chunks
+
+
+def test_a_finished_request_acks_the_export_and_releases_every_claim():
+    async def main():
+        prefill = FakeWorker("prefill-0", "prefill", {"prefill": result_of})
+        decode = FakeWorker("decode-0", "decode", {"generate": tokens_of})
+        prefill.gate.set(), decode.gate.set()
+        flow, workers = cluster_of(prefill, decode)
+        req = open_request()
+        chunks = await consume(flow, req)
+        req.close("finished")
+        return chunks, prefill.calls, decode.calls, workers
+
+    chunks, prefill_calls, decode_calls, workers = asyncio.run(main())
+    assert [c.token_ids for c in chunks] == [[7], [8], [9]]
+    assert prefill_calls == [("prefill", "r1"), ("ack", "r1")]
+    assert decode_calls == [("generate", "r1")]  # nothing left to abort
+    assert [w.in_flight for w in workers.values()] == [0, 0]
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_close_aborts_what_each_worker_holds_and_releases_claims(phase):
+    async def main():
+        prefill = FakeWorker("prefill-0", "prefill", {"prefill": result_of})
+        decode = FakeWorker("decode-0", "decode", {"generate": tokens_of})
+        if phase == "decode":
+            prefill.gate.set()
+        flow, workers = cluster_of(prefill, decode)
+        req = open_request()
+        task = asyncio.ensure_future(consume(flow, req))
+        await asyncio.sleep(0.05)  # the request is stuck in `phase`
+        req.close("cancelled")  # the client went away
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        req.close("cancelled")  # idempotent
+        return prefill.calls, decode.calls, workers
+
+    prefill_calls, decode_calls, workers = asyncio.run(main())
+    if phase == "prefill":  # queued or prefilling: the prefill worker is told, once
+        assert prefill_calls == [("prefill", "r1"), ("abort", "r1")]
+        assert decode_calls == []
+    else:  # exported and importing: both sides are told, once
+        assert prefill_calls == [("prefill", "r1"), ("abort", "r1")]
+        assert decode_calls == [("generate", "r1"), ("abort", "r1")]
+    assert [w.in_flight for w in workers.values()] == [0, 0]
+
+
+def test_a_worker_side_error_comes_back_with_its_kind():
+    def refuse(request):
+        return ErrorEvent(request.request_id, "invalid_request", "does not fit the KV pool")
+
+    async def main():
+        prefill = FakeWorker("prefill-0", "prefill", {"prefill": refuse})
+        decode = FakeWorker("decode-0", "decode", {"generate": tokens_of})
+        prefill.gate.set()
+        flow, workers = cluster_of(prefill, decode)
+        req = open_request()
+        with pytest.raises(RequestFailedError) as failure:
+            await consume(flow, req)
+        req.close("error")
+        return failure.value, prefill.calls, workers
+
+    error, prefill_calls, workers = asyncio.run(main())
+    assert (error.kind, error.message) == ("invalid_request", "does not fit the KV pool")
+    assert prefill_calls == [("prefill", "r1")]  # it holds nothing: no abort owed
+    assert [w.in_flight for w in workers.values()] == [0, 0]
