@@ -69,7 +69,9 @@ def test_16_concurrent_greedy_requests_match_transformers(
 def test_more_requests_than_the_decode_pool_holds_all_complete(tiny_llama_dir, reference):
     prompts, expected = reference
     # 10 blocks of 8 tokens: room for two or three sequences at a time, 16 arrive at once.
-    config = tiny_cluster_config(tiny_llama_dir, transport="shm", decode_kv_blocks=10)
+    config = tiny_cluster_config(
+        tiny_llama_dir, transport="shm", decode_kv_blocks=10, max_model_len=80
+    )
 
     async def scenario(cluster):
         outputs = await generate_all(cluster, prompts)
@@ -91,7 +93,7 @@ def test_workers_use_the_configured_thread_count_and_report_timings(tiny_llama_d
         return loads, last.timings
 
     loads, timings = run_cluster(config, scenario)
-    assert [load["num_threads"] for load in loads] == [1, 1]
+    assert [load.num_threads for load in loads] == [1, 1]
     assert timings["transport"] == "shm"
     assert timings["kv_bytes"] > 0
     assert timings["prefill_worker"] == "prefill-0" and timings["decode_worker"] == "decode-0"
@@ -121,3 +123,26 @@ def test_a_burst_spreads_over_both_decode_workers(tiny_llama_dir, reference, pol
     assert sorted(used) == ["decode-0"] * 4 + ["decode-1"] * 4
     assert [tokens for tokens, _ in results] == expected[:8]
     assert idle == [0] * len(idle)  # every claim released
+
+
+@pytest.mark.parametrize("skew_s", [2.0, -2.0])
+def test_timing_receipt_adds_up_when_a_worker_clock_is_off(
+    tiny_llama_dir, reference, skew_s, monkeypatch
+):
+    """Workers report durations on their own (here skewed) clock; the driver places them
+    inside the spans it measured itself, so the parts still tile its TTFT."""
+    prompts, _ = reference
+    monkeypatch.setenv("PDSERVE_CLOCK_SKEW_S", str(skew_s))  # inherited by the Ray workers
+    config = tiny_cluster_config(tiny_llama_dir, transport="shm", first_token_from="decode")
+
+    async def scenario(cluster):
+        from tests.cluster_helpers import collect
+
+        return [(await collect(cluster, p))[1].timings for p in prompts[:4]]
+
+    for timings in run_cluster(config, scenario):
+        parts = timings["ttft_parts"]
+        assert abs(sum(parts.values()) - timings["ttft_s"]) < 0.005, parts
+        assert min(parts.values()) > -0.001, parts  # no phase shifted out of its span
+        assert parts["prefill_s"] > 0 and parts["kv_transfer_s"] > 0
+        assert parts["prefill_s"] < timings["ttft_s"]

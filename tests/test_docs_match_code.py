@@ -1,0 +1,100 @@
+"""The docs name only flags and config keys the code has: a renamed flag breaks this test,
+not a reader's copy-paste.
+
+Every `pdserve ...` command line in README.md and docs/*.md (fenced blocks and inline
+code, with backslash continuations joined) is resolved through the real argument
+parser to its subcommand, and each `--flag` on it must be one that subcommand takes.
+Every key in the config table of docs/operations.md must be a `ClusterConfig` field,
+and every field must be in the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from cluster.cli import build_parser
+from cluster.config import ClusterConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+COMMAND_END = re.compile(r"\s(?:\||&&|;|>|#)\s")
+
+
+def command_lines(text: str) -> list[str]:
+    """Code lines (fenced or inline) that run `pdserve`, continuations joined."""
+    lines, block, fenced = [], [], False
+    for line in text.splitlines():
+        if line.strip().startswith("```"):
+            fenced = not fenced
+            continue
+        if fenced:
+            block.append(line)
+            if not line.rstrip().endswith("\\"):
+                lines.append(" ".join(part.rstrip("\\ ") for part in block))
+                block = []
+        else:
+            lines += re.findall(r"`([^`]*pdserve [^`]*)`", line)
+    return [line for line in lines if re.search(r"(^|[\s/])pdserve\s", line)]
+
+
+def subcommand(parser: argparse.ArgumentParser, words: list[str]):
+    """The parser a command line's words lead to, and the words it consumed."""
+    path = []
+    for word in words:
+        choices = next(
+            (a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)),
+            None,
+        )
+        if not choices or word not in choices:
+            break
+        parser = choices[word]
+        path.append(word)
+    return parser, path
+
+
+def accepted_flags(parser: argparse.ArgumentParser) -> set[str]:
+    return {opt for action in parser._actions for opt in action.option_strings}
+
+
+def documented_commands() -> list[tuple[str, str]]:
+    found = []
+    for doc in DOCS:
+        for line in command_lines(doc.read_text()):
+            command = COMMAND_END.split(line)[0]
+            found.append((doc.name, command[command.index("pdserve") :]))
+    return found
+
+
+@pytest.mark.parametrize(("doc", "command"), documented_commands())
+def test_every_documented_flag_exists(doc, command):
+    words = command.split()[1:]
+    parser, path = subcommand(build_parser(), [w for w in words if not w.startswith("-")])
+    top_level = accepted_flags(build_parser())
+    unknown = [
+        flag
+        for flag in FLAG.findall(command)
+        if flag not in accepted_flags(parser) and flag not in top_level
+    ]
+    assert not unknown, f"{doc}: `pdserve {' '.join(path)}` has no {unknown} ({command})"
+
+
+def test_the_config_table_lists_exactly_the_config_keys():
+    text = (ROOT / "docs" / "operations.md").read_text()
+    table = text[text.index("| key | default | flag | meaning |") :]
+    table = table[: table.index("\n\n")]
+    keys = re.findall(r"^\| `([a-z_]+)` \|", table, flags=re.M)
+    assert sorted(keys) == sorted(f.name for f in fields(ClusterConfig))
+
+
+def test_config_keys_named_in_yaml_examples_exist():
+    text = (ROOT / "docs" / "operations.md").read_text()
+    valid = {f.name for f in fields(ClusterConfig)}
+    for block in re.findall(r"```yaml\n(.*?)```", text, flags=re.S):
+        for key in re.findall(r"^([a-z_]+):", block, flags=re.M):
+            assert key in valid, f"docs/operations.md yaml example uses unknown key {key!r}"
