@@ -99,6 +99,8 @@ def test_failed_transfer_is_counted_by_reason_and_link():
         == 1
     )
     assert value(text, "pdserve_request_recoveries_total", kind="transfer_failed") == 1
+    recomputes = "pdserve_kv_recomputes_total"
+    assert value(text, recomputes, src="prefill-0", dst="decode-1", reason="checksum") == 1
     assert value(text, "pdserve_kv_transfer_bytes_total") == 0
     assert value(text, "pdserve_time_to_first_token_seconds_count") == 0  # no token came
 
