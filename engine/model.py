@@ -7,7 +7,8 @@ projections run as large matmuls; only attention looks at sequence boundaries
 Each layer is written in a few grouped operations (`engine.layer_ops`); which
 implementation runs them is chosen once at load (`kernels`): the native float32 CPU
 kernels (`engine.native`), which fuse each group into one call and stream weights
-packed for them, or the torch reference (any device, any dtype).
+packed for them, or the torch reference (any device, any dtype). With native ops and
+native attention, a decode-only step runs as one native call (`FusedDecode`).
 
 The residual stream stays in float32 whatever the weights' dtype: with bf16 weights,
 a bf16 residual (8-bit mantissa) drops layer updates that are small next to its
@@ -66,6 +67,11 @@ class LlamaForward:
         self.attention = attention
         self.scale = spec.head_dim**-0.5
         self.heads = HeadSizes(spec.num_heads, spec.num_kv_heads, spec.head_dim)
+        self.fused_decode = None
+        if self.ops.name == "native" and attention.name == "native":
+            from engine.native.decode_step import FusedDecode
+
+            self.fused_decode = FusedDecode(self.ops.kernels, self)
 
     @torch.inference_mode()
     def forward(
@@ -77,6 +83,11 @@ class LlamaForward:
         logits_rows: torch.Tensor,
     ) -> torch.Tensor:
         """Run one packed step; returns float32 logits [len(logits_rows), vocab]."""
+        every_row_samples = logits_rows.shape[0] == input_ids.shape[0]
+        if self.fused_decode is not None and not meta.prefill_chunks and every_row_samples:
+            logits = self.fused_decode.run(input_ids, positions, meta, kv_pool)
+            if logits is not None:
+                return logits
         self.ops.begin_step()
         hidden = self.ops.embed(input_ids, self.weights.embed)
         for index, layer in enumerate(self.weights.layers):

@@ -1,4 +1,5 @@
-"""Compile `kernels.c` once per machine and load it; `None` where that is not possible.
+"""Compile the C kernels (`*.c`, `native.h`) once per machine and load them; `None`
+where that is not possible.
 
 Called by `engine.native.ops.native_kernels()` the first time an engine wants the
 float32 CPU kernels. The shared object is cached under `PDSERVE_KERNEL_CACHE`
@@ -26,7 +27,7 @@ from engine.platform import cpu_flags
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels.c")
+SOURCE_DIR = Path(__file__).parent
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
 
 
@@ -51,11 +52,17 @@ def _cpu_model() -> str:
     return "unknown"
 
 
-def _cache_key(compiler: str, source: bytes) -> str:
+def _sources() -> list[Path]:
+    return sorted(SOURCE_DIR.glob("*.c"))
+
+
+def _cache_key(compiler: str) -> str:
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=False
     ).stdout
-    digest = hashlib.sha256(source)
+    digest = hashlib.sha256()
+    for path in [*_sources(), *sorted(SOURCE_DIR.glob("*.h"))]:
+        digest.update(path.name.encode() + path.read_bytes())
     for part in (" ".join(FLAGS), version, _cpu_model(), " ".join(sorted(cpu_flags()))):
         digest.update(part.encode())
     return digest.hexdigest()[:20]
@@ -64,9 +71,8 @@ def _cache_key(compiler: str, source: bytes) -> str:
 def build_library(cache_dir: Path | None = None) -> Path:
     """Path of the compiled library for this machine, compiling it if not cached."""
     compiler = _compiler()
-    source = SOURCE.read_bytes()
     cache_dir = cache_dir or kernel_cache_dir()
-    target = cache_dir / f"pdserve_kernels_{_cache_key(compiler, source)}.so"
+    target = cache_dir / f"pdserve_kernels_{_cache_key(compiler)}.so"
     if target.is_file():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -74,7 +80,7 @@ def build_library(cache_dir: Path | None = None) -> Path:
     os.close(fd)
     try:
         result = subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", scratch, "-lm"],
+            [compiler, *FLAGS, *map(str, _sources()), "-o", scratch, "-lm"],
             capture_output=True,
             text=True,
             check=False,

@@ -1,0 +1,296 @@
+/* Attention on the paged pool, read in place: rotary embedding + KV store of a step's
+ * new tokens, decode attention (each row over its own blocks), and the gather a
+ * prefill chunk after cached context needs for torch's SDPA.
+ *
+ * Decode: a work item is one sequence's span of blocks, all heads, so that each block
+ * of the pool is read as one contiguous piece (block_size * Hkv * D floats), the next
+ * block prefetched while this one is used (blocks sit anywhere in the pool). With
+ * fewer sequences than threads a sequence's blocks are split into spans whose partial
+ * softmax results (peak, sum, weighted values) are merged. Eight-wide vectors whatever
+ * the ISA: head dims are multiples of 8 and the score reduction is written for 8.
+ */
+#include "native.h"
+
+void rope_store_team(const rope_store_args *a, int t, int nt) {
+  long D = a->D, half = D / 2, heads = a->Hq + a->Hkv, row_kv = a->Hkv * D;
+  for (long r = t; r < a->T; r += nt) {
+    float *row = a->qkv + r * a->ldqkv;
+    const float *c = a->cos + a->positions[r] * D, *s = a->sin + a->positions[r] * D;
+    for (long h = 0; h < heads; h++) {
+      float *x = row + h * D;
+      for (long i = 0; i < half; i++) {
+        float x1 = x[i], x2 = x[i + half];
+        x[i] = x1 * c[i] - x2 * s[i];
+        x[i + half] = x2 * c[i + half] + x1 * s[i + half];
+      }
+    }
+    long slot = a->slot_blocks[r] * a->block_stride + a->slot_offsets[r] * row_kv;
+    memcpy(a->k_cache + slot, row + a->Hq * D, sizeof(float) * row_kv);
+    memcpy(a->v_cache + slot, row + (a->Hq + a->Hkv) * D, sizeof(float) * row_kv);
+  }
+}
+
+void pd_rope_store(float *qkv, long ldqkv, long T, long Hq, long Hkv, long D,
+                   const int64_t *positions, const float *cos_table, const float *sin_table,
+                   float *k_cache, float *v_cache, long block_stride,
+                   const int64_t *slot_blocks, const int64_t *slot_offsets, int nthreads) {
+  rope_store_args a = {qkv,     ldqkv,   T,       Hq,           Hkv,         D,
+                       positions, cos_table, sin_table, k_cache, v_cache, block_stride,
+                       slot_blocks, slot_offsets};
+#pragma omp parallel num_threads(nthreads) if (T > 1)
+  rope_store_team(&a, omp_get_thread_num(), omp_get_num_threads());
+}
+
+static inline float dot8(const float *a, const float *b, long D) {
+  f8 acc = splat8(0.0f);
+  for (long d = 0; d < D; d += 8) acc += LOAD8(a + d) * LOAD8(b + d);
+  f8 parts[8] = {acc};
+  return transpose_sum8(parts)[0];
+}
+
+static inline void prefetch_span(const float *data, long floats) {
+  for (long i = 0; i < floats; i += 16) __builtin_prefetch(data + i);
+}
+
+/* Where a sequence's paged KV is and how it is laid out. */
+typedef struct {
+  const float *k, *v;
+  long block_stride, block_size, Hq, Hkv, D;
+  const int64_t *table;
+} paged_seq;
+
+static inline long span_tokens(long t0, long t_end, long block_size) {
+  return t_end - t0 < block_size ? t_end - t0 : block_size;
+}
+
+/* scores[j * span + t] = q_j . k_t (q pre-scaled), query head j over kv head j / G. */
+static void span_scores(const paged_seq *s, const float *q, long t_begin, long t_end,
+                        float *scores) {
+  long G = s->Hq / s->Hkv, D = s->D, row = s->Hkv * D, span = t_end - t_begin;
+  for (long t0 = t_begin; t0 < t_end; t0 += s->block_size) {
+    long n = span_tokens(t0, t_end, s->block_size);
+    const float *kb = s->k + s->table[t0 / s->block_size] * s->block_stride;
+    if (t0 + s->block_size < t_end)
+      prefetch_span(s->k + s->table[t0 / s->block_size + 1] * s->block_stride,
+                    span_tokens(t0 + s->block_size, t_end, s->block_size) * row);
+    for (long j = 0; j < s->Hq; j++) {
+      const float *qj = q + j * D, *kh = kb + (j / G) * D;
+      float *out = scores + j * span + (t0 - t_begin);
+      long i = 0;
+      for (; i + 8 <= n; i += 8) {
+        f8 acc[8] = {0};
+        for (long d = 0; d < D; d += 8) {
+          f8 qv = LOAD8(qj + d);
+          for (int t = 0; t < 8; t++) acc[t] += qv * LOAD8(kh + (i + t) * row + d);
+        }
+        STORE8(out + i, transpose_sum8(acc));
+      }
+      for (; i < n; i++) out[i] = dot8(qj, kh + i * row, D);
+    }
+  }
+}
+
+/* exp(s - peak) in place over each query head's scores; peak and sum per head. */
+static void span_softmax(float *scores, long heads, long span, float *peak, float *total) {
+  for (long j = 0; j < heads; j++) {
+    float *row = scores + j * span, m = -INFINITY;
+    for (long t = 0; t < span; t++) m = row[t] > m ? row[t] : m;
+    f8 acc = splat8(0.0f);
+    long t = 0;
+    for (; t + 8 <= span; t += 8) {
+      f8 e = vexp8(LOAD8(row + t) - splat8(m));
+      STORE8(row + t, e);
+      acc += e;
+    }
+    f8 parts[8] = {acc};
+    float sum = transpose_sum8(parts)[0];
+    for (; t < span; t++) {
+      row[t] = sexp(row[t] - m);
+      sum += row[t];
+    }
+    peak[j] = m;
+    total[j] = sum;
+  }
+}
+
+/* out[j] += sum_t p_j[t] * v_t over one block's n rows for the G heads of kv head h,
+ * NV vectors of columns at a time: G * NV independent accumulators in registers. */
+static inline __attribute__((always_inline)) void block_values(int G, int NV, const float *p,
+                                                               long span, long n,
+                                                               const float *vh, long row,
+                                                               long D, float *out) {
+  for (long d = 0; d < D; d += 8 * NV) {
+    f8 acc[MAX_GROUP][4];
+    for (int g = 0; g < G; g++)
+      for (int c = 0; c < NV; c++) acc[g][c] = LOAD8(out + g * D + d + 8 * c);
+    for (long i = 0; i < n; i++) {
+      f8 v[4];
+      for (int c = 0; c < NV; c++) v[c] = LOAD8(vh + i * row + d + 8 * c);
+      for (int g = 0; g < G; g++) {
+        f8 w = splat8(p[g * span + i]);
+        for (int c = 0; c < NV; c++) acc[g][c] += w * v[c];
+      }
+    }
+    for (int g = 0; g < G; g++)
+      for (int c = 0; c < NV; c++) STORE8(out + g * D + d + 8 * c, acc[g][c]);
+  }
+}
+
+/* Fewest passes whose accumulators still fit the 16 AVX2 registers. */
+#define BLOCK_VALUES(GC, NVC)                                                          \
+  case GC:                                                                           \
+    if (D % (8 * NVC) == 0) {                                                        \
+      block_values(GC, NVC, p, span, n, vh, row, D, out);                            \
+      return;                                                                        \
+    }                                                                                \
+    block_values(GC, 1, p, span, n, vh, row, D, out);                                \
+    return;
+
+static void group_block_values(long G, const float *p, long span, long n, const float *vh,
+                               long row, long D, float *out) {
+  switch (G) {
+    BLOCK_VALUES(1, 4) BLOCK_VALUES(2, 4) BLOCK_VALUES(3, 4) BLOCK_VALUES(4, 2)
+    BLOCK_VALUES(5, 2) BLOCK_VALUES(6, 2) BLOCK_VALUES(7, 1) BLOCK_VALUES(8, 1)
+  }
+  for (long g = 0; g < G; g++)
+    for (long i = 0; i < n; i++) {
+      float w = p[g * span + i];
+      for (long d = 0; d < D; d += 8)
+        STORE8(out + g * D + d, LOAD8(out + g * D + d) + splat8(w) * LOAD8(vh + i * row + d));
+    }
+}
+
+/* Unnormalized sum_t p_j[t] v_t for every query head j over the span (out: Hq * D). */
+static void span_values(const paged_seq *s, const float *scores, long t_begin, long t_end,
+                        float *out) {
+  long G = s->Hq / s->Hkv, D = s->D, row = s->Hkv * D, span = t_end - t_begin;
+  memset(out, 0, sizeof(float) * (size_t)(s->Hq * D));
+  for (long t0 = t_begin; t0 < t_end; t0 += s->block_size) {
+    long n = span_tokens(t0, t_end, s->block_size);
+    const float *vb = s->v + s->table[t0 / s->block_size] * s->block_stride;
+    if (t0 + s->block_size < t_end)
+      prefetch_span(s->v + s->table[t0 / s->block_size + 1] * s->block_stride,
+                    span_tokens(t0 + s->block_size, t_end, s->block_size) * row);
+    for (long h = 0; h < s->Hkv; h++)
+      group_block_values(G, scores + h * G * span + (t0 - t_begin), span, n, vb + h * D, row,
+                         D, out + h * G * D);
+  }
+}
+
+/* Merge the spans' partial softmax results of one row into out (Hq * D). */
+static void merge_spans(long spans, long Hq, long D, const float *partial, long stride,
+                        float *out) {
+  for (long j = 0; j < Hq; j++) {
+    float m = -INFINITY, total = 0.0f;
+    for (long p = 0; p < spans; p++) {
+      float pm = partial[p * stride + Hq * D + j];
+      m = pm > m ? pm : m;
+    }
+    for (long d = 0; d < D; d++) out[j * D + d] = 0.0f;
+    for (long p = 0; p < spans; p++) {
+      const float *part = partial + p * stride;
+      float w = sexp(part[Hq * D + j] - m);
+      total += w * part[Hq * D + Hq + j];
+      for (long d = 0; d < D; d++) out[j * D + d] += w * part[j * D + d];
+    }
+    for (long d = 0; d < D; d++) out[j * D + d] /= total;
+  }
+}
+
+int attention_plan(attention_args *a, int nthreads) {
+  if (a->D % 8 || a->Hq % a->Hkv || a->Hq > MAX_HEADS) return -1;
+  long max_blocks = 1;
+  for (long r = 0; r < a->R; r++) {
+    long blocks = (a->context_lens[r] + a->block_size - 1) / a->block_size;
+    max_blocks = blocks > max_blocks ? blocks : max_blocks;
+  }
+  long spans = a->R >= 2 * nthreads ? 1 : (2 * nthreads + a->R - 1) / a->R;
+  a->spans = spans < max_blocks ? spans : max_blocks;
+  a->blocks_per_span = (max_blocks + a->spans - 1) / a->spans;
+  return 0;
+}
+
+long attention_partial_stride(const attention_args *a) { return a->Hq * a->D + 2 * a->Hq; }
+
+long attention_scratch_floats(const attention_args *a) {
+  return a->Hq * (a->blocks_per_span * a->block_size + a->D);
+}
+
+/* One item: row r's span sp; its result goes to out (normalized) or to partial. */
+static void attend_item(const attention_args *a, long item, float *scratch) {
+  long Hq = a->Hq, D = a->D, spans = a->spans, r = item / spans, sp = item % spans;
+  long ctx = a->context_lens[r], stride = attention_partial_stride(a);
+  long t_begin = sp * a->blocks_per_span * a->block_size;
+  long t_end = t_begin + a->blocks_per_span * a->block_size;
+  t_end = t_end < ctx ? t_end : ctx;
+  paged_seq s = {a->k_cache, a->v_cache, a->block_stride, a->block_size, Hq, a->Hkv, D,
+                 a->block_tables + r * a->table_stride};
+  float peak[MAX_HEADS], total[MAX_HEADS], *qs = scratch + Hq * a->blocks_per_span * a->block_size;
+  float *dst = a->partial ? a->partial + item * stride : a->out + r * a->ldo;
+  float *p_peak = a->partial ? dst + Hq * D : peak, *p_total = a->partial ? dst + Hq * D + Hq : total;
+  if (t_begin >= t_end) { /* an empty span contributes nothing to the merge */
+    for (long j = 0; j < Hq; j++) p_peak[j] = -INFINITY, p_total[j] = 0.0f;
+    memset(dst, 0, sizeof(float) * (size_t)(Hq * D));
+    return;
+  }
+  for (long i = 0; i < Hq * D; i++) qs[i] = a->q[r * a->ldq + i] * a->scale;
+  span_scores(&s, qs, t_begin, t_end, scratch);
+  span_softmax(scratch, Hq, t_end - t_begin, p_peak, p_total);
+  span_values(&s, scratch, t_begin, t_end, dst);
+  if (!a->partial)
+    for (long j = 0; j < Hq; j++)
+      for (long d = 0; d < D; d++) dst[j * D + d] /= p_total[j];
+}
+
+void attention_team(const attention_args *a, float *scratch) {
+  long items = a->R * a->spans, stride = attention_partial_stride(a);
+#pragma omp for schedule(dynamic, 1)
+  for (long item = 0; item < items; item++) attend_item(a, item, scratch);
+  if (a->partial) {
+#pragma omp for schedule(static)
+    for (long r = 0; r < a->R; r++)
+      merge_spans(a->spans, a->Hq, a->D, a->partial + r * a->spans * stride, stride,
+                  a->out + r * a->ldo);
+  }
+}
+
+/* q: [R, Hq * D] at stride ldq; out: [R, Hq * D] at stride ldo. GQA: query head j
+ * uses kv head j / (Hq / Hkv). Returns -1 (nothing done) for a head dim that is not a
+ * multiple of 8, query heads that are not a multiple of the kv heads, or more than
+ * MAX_HEADS query heads. */
+int pd_decode_attention(const float *q, long ldq, long R, long Hq, long Hkv, long D,
+                        const float *k_cache, const float *v_cache, long block_stride,
+                        long block_size, const int64_t *block_tables, long table_stride,
+                        const int64_t *context_lens, float scale, float *out, long ldo,
+                        int nthreads) {
+  attention_args a = {q,          ldq,        R,           Hq,    Hkv, D,   k_cache,
+                      v_cache,    block_stride, block_size, block_tables, table_stride,
+                      context_lens, scale,     out,         ldo,   0,   0,   0};
+  if (attention_plan(&a, nthreads)) return -1;
+  long items = R * a.spans;
+  a.partial = a.spans > 1 ? malloc(sizeof(float) * (size_t)(items * attention_partial_stride(&a))) : 0;
+#pragma omp parallel num_threads(nthreads) if (items > 1)
+  {
+    float *scratch = malloc(sizeof(float) * (size_t)attention_scratch_floats(&a));
+    attention_team(&a, scratch);
+    free(scratch);
+  }
+  free(a.partial);
+  return 0;
+}
+
+/* Keys and values of one sequence's first n tokens, as [Hkv][n][D] each (what SDPA
+ * takes), for a prefill chunk that attends to context already in the pool. */
+void pd_gather_kv(const float *k_cache, const float *v_cache, long block_stride,
+                  long block_size, long Hkv, long D, const int64_t *table, long n,
+                  float *k_out, float *v_out, int nthreads) {
+  long row_kv = Hkv * D;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (n > 256)
+  for (long t = 0; t < n; t++) {
+    long slot = table[t / block_size] * block_stride + (t % block_size) * row_kv;
+    for (long h = 0; h < Hkv; h++) {
+      memcpy(k_out + (h * n + t) * D, k_cache + slot + h * D, sizeof(float) * D);
+      memcpy(v_out + (h * n + t) * D, v_cache + slot + h * D, sizeof(float) * D);
+    }
+  }
+}

@@ -1,0 +1,125 @@
+/* A whole decode step (every row a sequence's next token) in one call and one OpenMP
+ * parallel region: embedding -> per layer [RMSNorm + qkv, RoPE + KV store, attention
+ * over the pool, residual += o_proj, RMSNorm + gate|up, residual += down(SiLU*mul)]
+ * -> final RMSNorm + LM head, with a team barrier between phases.
+ *
+ * The same team functions run prefill steps one call per operation from Python
+ * (engine/native/ops.py); at batch 1 the ~150 calls, their Python glue and their
+ * fork/joins cost about a tenth of a memory-bound step, so decode steps come here.
+ */
+#include "native.h"
+
+typedef struct {
+  const float *input_norm, *post_norm;
+  const float *qkv, *qkv_bias, *o_proj, *o_bias, *gate_up, *down; /* packed; biases or NULL */
+} pd_layer_weights;
+
+typedef struct {
+  long num_layers, hidden, intermediate, num_heads, num_kv_heads, head_dim, vocab;
+  float eps, scale;
+  const pd_layer_weights *layers;
+  const float *final_norm, *lm_head; /* lm_head packed */
+  const float *embed;                /* [vocab][hidden], or NULL: rows of the packed lm_head */
+  const float *rope_cos, *rope_sin;  /* [positions][head_dim] */
+} pd_model;
+
+typedef struct {
+  long rows;
+  const int64_t *tokens, *positions, *slot_blocks, *slot_offsets, *block_tables, *context_lens;
+  long table_stride;
+  float *kv; /* the pool: [blocks][layers][2][block_size][kv_heads][head_dim] */
+  long block_stride, layer_stride, kind_stride, block_size;
+  /* step buffers, rows x: hidden, qkv width, heads * head_dim, 2 * intermediate,
+   * max(hidden, intermediate), vocab */
+  float *residual, *qkv, *attn, *gate_up, *scratch, *logits;
+} pd_decode_batch;
+
+static void embed_rows(const pd_model *m, const pd_decode_batch *b, int t, int nt) {
+  long H = m->hidden;
+  for (long r = t; r < b->rows; r += nt) {
+    long token = b->tokens[r];
+    float *out = b->residual + r * H;
+    if (m->embed) {
+      memcpy(out, m->embed + token * H, sizeof(float) * H);
+      continue;
+    }
+    const float *strip = m->lm_head + (token / PD_NR) * H * PD_NR + token % PD_NR;
+    for (long k = 0; k < H; k++) out[k] = strip[k * PD_NR];
+  }
+}
+
+static linear_args projection(const float *x, long ldx, long rows, long K, const float *w,
+                              long N, const float *bias, int prologue, const float *norm,
+                              const pd_model *m, const pd_decode_batch *b, float *y,
+                              int accumulate) {
+  linear_args a = {x, ldx, rows, K, w, N, bias, prologue, norm, m->eps, b->scratch, y, N,
+                   accumulate};
+  return a;
+}
+
+static void layer_step(const pd_model *m, const pd_decode_batch *b, long l, attention_args *att,
+                       float *attn_scratch, int t, int nt) {
+  const pd_layer_weights *w = m->layers + l;
+  long H = m->hidden, I = m->intermediate, R = b->rows, D = m->head_dim;
+  long q_width = m->num_heads * D, qkv_width = q_width + 2 * m->num_kv_heads * D;
+  float *k_cache = b->kv + l * b->layer_stride, *v_cache = k_cache + b->kind_stride;
+  linear_args qkv = projection(b->residual, H, R, H, w->qkv, qkv_width, w->qkv_bias,
+                               PROLOGUE_RMSNORM, w->input_norm, m, b, b->qkv, 0);
+  linear_team(&qkv, t, nt);
+#pragma omp barrier
+  rope_store_args rope = {b->qkv,      qkv_width,        R,       m->num_heads, m->num_kv_heads,
+                          D,           b->positions,     m->rope_cos, m->rope_sin, k_cache,
+                          v_cache,     b->block_stride, b->slot_blocks, b->slot_offsets};
+  rope_store_team(&rope, t, nt);
+#pragma omp barrier
+  att->k_cache = k_cache;
+  att->v_cache = v_cache;
+  attention_team(att, attn_scratch); /* ends with the omp for's barrier */
+  linear_args o = projection(b->attn, q_width, R, q_width, w->o_proj, H, w->o_bias,
+                             PROLOGUE_NONE, 0, m, b, b->residual, 1);
+  linear_team(&o, t, nt);
+#pragma omp barrier
+  linear_args gate_up = projection(b->residual, H, R, H, w->gate_up, 2 * I, 0, PROLOGUE_RMSNORM,
+                                   w->post_norm, m, b, b->gate_up, 0);
+  linear_team(&gate_up, t, nt);
+#pragma omp barrier
+  linear_args down = projection(b->gate_up, 2 * I, R, I, w->down, H, 0, PROLOGUE_SILU_MUL, 0,
+                                m, b, b->residual, 1);
+  linear_team(&down, t, nt);
+#pragma omp barrier
+}
+
+/* Logits [rows][vocab] of one decode step; 0, or -1 when attention cannot take the
+ * shapes (the caller then runs the step operation by operation). */
+int pd_decode_step(const pd_model *m, const pd_decode_batch *b, int nthreads) {
+  long D = m->head_dim, q_width = m->num_heads * D;
+  attention_args att = {b->qkv,          q_width + 2 * m->num_kv_heads * D,
+                        b->rows,         m->num_heads,
+                        m->num_kv_heads, D,
+                        0,               0,
+                        b->block_stride, b->block_size,
+                        b->block_tables, b->table_stride,
+                        b->context_lens, m->scale,
+                        b->attn,         q_width,
+                        0,               0,
+                        0};
+  if (attention_plan(&att, nthreads)) return -1;
+  size_t partial = (size_t)(b->rows * att.spans * attention_partial_stride(&att));
+  att.partial = att.spans > 1 ? malloc(sizeof(float) * partial) : 0;
+#pragma omp parallel num_threads(nthreads)
+  {
+    int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    attention_args mine = att; /* k/v pointers change per layer: one copy per thread */
+    float *scratch = malloc(sizeof(float) * (size_t)attention_scratch_floats(&att));
+    embed_rows(m, b, t, nt);
+#pragma omp barrier
+    for (long l = 0; l < m->num_layers; l++) layer_step(m, b, l, &mine, scratch, t, nt);
+    linear_args head = projection(b->residual, m->hidden, b->rows, m->hidden, m->lm_head,
+                                  m->vocab, 0, PROLOGUE_RMSNORM, m->final_norm, m, b, b->logits,
+                                  0);
+    linear_team(&head, t, nt);
+    free(scratch);
+  }
+  free(att.partial);
+  return 0;
+}

@@ -1,0 +1,166 @@
+/* Shared by the native kernels (linear.c, attention.c, decode_step.c): vector types,
+ * the vectorized exp, and the "team" functions. A team function is called by every
+ * thread of an OpenMP parallel region with its thread number t of nt; the pd_* entry
+ * points open a region around one of them, pd_decode_step runs a whole decode step in
+ * one region, with a barrier between the phases. */
+#ifndef PDSERVE_NATIVE_H
+#define PDSERVE_NATIVE_H
+
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#define VL 16
+#else
+#define VL 8
+#endif
+#ifndef PD_NV
+#define PD_NV 2 /* vectors per packed strip */
+#endif
+#ifndef MR_MAX
+#define MR_MAX ((VL == 16 ? 24 : 12) / PD_NV) /* rows per tile: accumulators fill the registers */
+#endif
+#define PD_NR (PD_NV * VL) /* output columns per packed strip */
+#ifndef KC
+#define KC 256 /* K block of the multi-row tiles: one strip piece stays in L1 */
+#endif
+
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef float vfu __attribute__((vector_size(VL * 4), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(VL * 4)));
+
+#define LOADU(p) (*(const vfu *)(p))
+#define STOREU(p, v) (*(vfu *)(p) = (v))
+#define LOADA(p) (*(const vf *)(p))
+
+static inline vf splat(float f) { return f - (vf){0}; }
+
+static inline float hsum(vf v) {
+  float s = 0.0f;
+  for (int i = 0; i < VL; i++) s += v[i];
+  return s;
+}
+
+/* exp for x <= ~88: 2^n * p(r), Cephes' expf polynomial (about 1 ulp), for any vector
+ * type VT with integer lanes IT. C has no vector ?:, so clamping selects through the
+ * comparison masks; adding 1.5 * 2^23 rounds to an integer, whose low mantissa bits
+ * then give n for the exponent. */
+#define DEFINE_VEXP(NAME, VT, IT)                                                    \
+  static inline VT NAME(VT x) {                                                      \
+    const VT zero = {0}, hi = zero + 88.0f, lo = zero - 87.0f;                       \
+    const float magic = 12582912.0f;                                                 \
+    IT below = x < hi, above = x > lo;                                               \
+    x = (VT)(((IT)x & below) | ((IT)hi & ~below));                                   \
+    x = (VT)(((IT)x & above) | ((IT)lo & ~above));                                   \
+    VT t = x * 1.44269504088896341f + magic;                                         \
+    VT n = t - magic;                                                                \
+    VT r = x - n * 0.693359375f + n * 2.12194440e-4f;                                \
+    VT p = zero + 1.9875691500e-4f;                                                  \
+    p = p * r + 1.3981999507e-3f;                                                    \
+    p = p * r + 8.3334519073e-3f;                                                    \
+    p = p * r + 4.1665795894e-2f;                                                    \
+    p = p * r + 1.6666665459e-1f;                                                    \
+    p = p * r + 5.0000001201e-1f;                                                    \
+    p = p * r * r + r + 1.0f;                                                        \
+    IT bits = ((IT)t - (IT)(zero + magic) + 127) << 23;                              \
+    return p * (VT)bits;                                                             \
+  }
+DEFINE_VEXP(vexp, vf, vi)
+
+static inline float sexp(float x) {
+  vf v = vexp(splat(x));
+  return v[0];
+}
+
+typedef float f8 __attribute__((vector_size(32)));
+typedef float f8u __attribute__((vector_size(32), aligned(4)));
+typedef int32_t i8 __attribute__((vector_size(32)));
+#define LOAD8(p) ((f8)(*(const f8u *)(p)))
+#define STORE8(p, v) (*(f8u *)(p) = (v))
+#define MAX_GROUP 8   /* query heads per kv head with a register-tiled value pass */
+#define MAX_HEADS 256 /* query heads this kernel takes */
+
+static inline f8 splat8(float f) { return f - (f8){0}; }
+DEFINE_VEXP(vexp8, f8, i8)
+
+/* Lane j of the result is the sum of v[j]'s lanes: eight dot products finished at once. */
+static inline f8 transpose_sum8(const f8 v[8]) {
+  const i8 even = {0, 8, 2, 10, 4, 12, 6, 14}, odd = {1, 9, 3, 11, 5, 13, 7, 15};
+  const i8 lo2 = {0, 1, 8, 9, 4, 5, 12, 13}, hi2 = {2, 3, 10, 11, 6, 7, 14, 15};
+  const i8 lo4 = {0, 1, 2, 3, 8, 9, 10, 11}, hi4 = {4, 5, 6, 7, 12, 13, 14, 15};
+  f8 u[4];
+  for (int i = 0; i < 4; i++)
+    u[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], even) +
+           __builtin_shuffle(v[2 * i], v[2 * i + 1], odd);
+  f8 w0 = __builtin_shuffle(u[0], u[1], lo2) + __builtin_shuffle(u[0], u[1], hi2);
+  f8 w1 = __builtin_shuffle(u[2], u[3], lo2) + __builtin_shuffle(u[2], u[3], hi2);
+  return __builtin_shuffle(w0, w1, lo4) + __builtin_shuffle(w0, w1, hi4);
+}
+
+
+enum { PROLOGUE_NONE = 0, PROLOGUE_RMSNORM = 1, PROLOGUE_SILU_MUL = 2 };
+
+/* y[M, N] (row stride ldy) = prologue(x)[M, K] @ W^T (+ bias); accumulate: y += ...
+ * w: packed [ceil(N / NR)][K][NR]. scratch: M * K floats, shared by the team, when a
+ * prologue is used; the prologue's input rows have K (RMSNorm) or 2K (SiLU*mul)
+ * columns at stride ldx. */
+typedef struct {
+  const float *x;
+  long ldx, M, K;
+  const float *w;
+  long N;
+  const float *bias;
+  int prologue;
+  const float *norm_weight;
+  float eps;
+  float *scratch;
+  float *y;
+  long ldy;
+  int accumulate;
+} linear_args;
+
+/* Ends without a barrier: the caller waits before reading y. */
+void linear_team(const linear_args *a, int t, int nt);
+
+/* Rotate-half RoPE on the q and k heads of rows [0, T) of qkv in place, then copy each
+ * row's k and v heads into its pool slot. */
+typedef struct {
+  float *qkv;
+  long ldqkv, T, Hq, Hkv, D;
+  const int64_t *positions;
+  const float *cos, *sin; /* [positions][D] */
+  float *k_cache, *v_cache; /* block 0 of this layer's keys / values */
+  long block_stride;
+  const int64_t *slot_blocks, *slot_offsets;
+} rope_store_args;
+
+void rope_store_team(const rope_store_args *a, int t, int nt);
+
+/* Decode rows r < R attend to the first context_lens[r] tokens of block_tables[r]. */
+typedef struct {
+  const float *q;
+  long ldq, R, Hq, Hkv, D;
+  const float *k_cache, *v_cache;
+  long block_stride, block_size;
+  const int64_t *block_tables;
+  long table_stride;
+  const int64_t *context_lens;
+  float scale;
+  float *out;
+  long ldo;
+  /* from attention_plan: */
+  long spans, blocks_per_span;
+  float *partial; /* R * spans * attention_partial_stride floats when spans > 1 */
+} attention_args;
+
+/* 0, or -1 for shapes the kernel does not take; fills spans and blocks_per_span. */
+int attention_plan(attention_args *a, int nthreads);
+long attention_partial_stride(const attention_args *a);
+long attention_scratch_floats(const attention_args *a);
+/* Work-shares over the team (omp for, with its barriers); scratch is this thread's. */
+void attention_team(const attention_args *a, float *scratch);
+
+#endif
