@@ -159,6 +159,7 @@ def _plot_mode(ax, rows: list[dict], mode: str, first: bool) -> None:
         xs,
         _ms(capped, "kv_expected_s"),
         linestyle="--",
+        marker="x",
         color=measured[0].get_color(),
         label="KV transfer expected (bytes / cap)",
     )

@@ -76,6 +76,8 @@ def server_digest(point: dict) -> dict:
 
 
 def _num(value: float) -> str:
+    if float(value).is_integer() and abs(value) < 1e6:
+        return f"{value:.0f}"
     if abs(value) >= 1e6:
         return f"{value:.3g}"
     return f"{value:.3f}" if abs(value) < 100 else f"{value:.0f}"

@@ -115,7 +115,13 @@ def hardware_profile(
 
 
 @functools.cache
-def measure_cpu(dtypes: tuple[str, ...], threads: int | None = None) -> HardwareProfile:
+def measure_cpu(
+    dtypes: tuple[str, ...],
+    threads: int | None = None,
+    num_bytes: int = 256 << 20,
+    matmul_n: int = 1536,
+) -> HardwareProfile:
+    """Measured once per process and arguments (~1-3 s with the defaults)."""
     import psutil
     import torch
 
@@ -123,8 +129,8 @@ def measure_cpu(dtypes: tuple[str, ...], threads: int | None = None) -> Hardware
     if threads:
         torch.set_num_threads(threads)
     try:
-        bandwidth = read_bandwidth()
-        flops = {dtype: matmul_flops(getattr(torch, dtype)) for dtype in dtypes}
+        bandwidth = read_bandwidth(num_bytes)
+        flops = {dtype: matmul_flops(getattr(torch, dtype), matmul_n) for dtype in dtypes}
         used_threads = torch.get_num_threads()
     finally:
         torch.set_num_threads(previous)
@@ -139,7 +145,7 @@ def measure_cpu(dtypes: tuple[str, ...], threads: int | None = None) -> Hardware
     )
 
 
-def read_bandwidth(num_bytes: int = 512 << 20, repeats: int = 5) -> float:
+def read_bandwidth(num_bytes: int = 256 << 20, repeats: int = 5) -> float:
     """Bytes/s of a read-only pass (sum) over a tensor much larger than the last-level cache."""
     import torch
 

@@ -120,6 +120,7 @@ def record_row(record: RequestRecord, t0: float) -> dict:
 def run_entry(result) -> dict:
     t0 = result.started_at
     return {
+        "seed": result.seed,
         "summary": result.summary,
         "records": [record_row(r, t0) for r in result.records],
         "warmup_records": [record_row(r, t0) for r in result.warmup_records],
@@ -206,19 +207,20 @@ def format_point(point: dict) -> str:
     s = point["summary"]
     runs = len(point["runs"])
     count = "" if runs == 1 else f"  (median of {runs} runs, [min-max])"
+    width = 16 if runs == 1 else 22
     lines = [
         f"== {point['label']}{count}",
-        f"requests {s['requests']}: ok {s['ok']}, error {s['error']}, timeout {s['timeout']}, "
-        f"cancelled {s['cancelled']}"
+        f"requests {s['requests']:g}: ok {s['ok']:g}, error {s['error']:g}, timeout "
+        f"{s['timeout']:g}, cancelled {s['cancelled']:g}"
         + (f"  errors by status {s['errors_by_status']}" if s.get("errors_by_status") else ""),
         f"duration {s['duration_s']:.1f} s | requests/s {_with_spread(point, 'request_throughput', _f3)}"
         f" | output tok/s {_with_spread(point, 'output_throughput', _f1)}"
         f" | total tok/s {_with_spread(point, 'total_token_throughput', _f1)} (includes prompt tokens)",
-        f"{'':6}{'mean':>16}{'p50':>16}{'p90':>16}{'p99':>16}   (ms)",
+        f"{'':6}" + "".join(f"{q:>{width}}" for q in ("mean", "p50", "p90", "p99")) + "   (ms)",
     ]
     for metric in ("ttft", "itl", "tpot", "e2e"):
         cells = [_with_spread(point, f"{metric}_{q}_s", ms) for q in ("mean", "p50", "p90", "p99")]
-        lines.append(f"{metric.upper():<6}" + "".join(f"{c:>16}" for c in cells))
+        lines.append(f"{metric.upper():<6}" + "".join(f"{c:>{width}}" for c in cells))
     lines.extend(_extra_lines(point))
     return "\n".join(lines)
 

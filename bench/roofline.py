@@ -166,16 +166,16 @@ def format_roofline(model_name: str, hardware: HardwareProfile, steps: dict) -> 
     flops, bandwidth = hardware.flops(dtype), hardware.memory_bandwidth
     lines = [
         f"{model_name} on {hardware.name} ({dtype}); {hardware.source}",
-        f"peak {flops / 1e12:.3g} TFLOP/s, memory {bandwidth / 1e9:.3g} GB/s -> "
+        f"peak {flops / 1e12:,.4g} TFLOP/s, memory {bandwidth / 1e9:,.1f} GB/s -> "
         f"ridge {hardware.ridge(dtype):.1f} FLOP/byte",
         "",
-        f"{'phase':<8}{'batch':>6}{'cached':>8}{'new':>6}{'GFLOP':>10}{'weights MB':>11}"
+        f"{'phase':<8}{'batch':>6}{'cached':>8}{'new':>6}{'GFLOP':>12}{'weights MB':>11}"
         f"{'KV rd MB':>10}{'KV wr MB':>10}{'FLOP/B':>9}  {'bound':<8}{'compute ms':>11}"
         f"{'memory ms':>10}{'step >= ms':>11}{'tok/s <=':>10}",
     ]
     for s in steps.values():
         lines.append(
-            f"{s.phase:<8}{s.batch:>6}{s.cached:>8}{s.new_tokens:>6}{s.flops / 1e9:>10.2f}"
+            f"{s.phase:<8}{s.batch:>6}{s.cached:>8}{s.new_tokens:>6}{s.flops / 1e9:>12.2f}"
             f"{s.weight_bytes / 1e6:>11.1f}{s.kv_read_bytes / 1e6:>10.1f}"
             f"{s.kv_write_bytes / 1e6:>10.1f}{s.intensity:>9.1f}  {s.bound:<8}"
             f"{s.compute_s * 1e3:>11.4g}{s.memory_s * 1e3:>10.4g}{s.lower_bound_s * 1e3:>11.4g}"

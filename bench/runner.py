@@ -69,6 +69,7 @@ class RunResult:
     started_at: float
     """perf_counter at the start of the measured interval (record times are relative to it)."""
     server_metrics: dict | None
+    seed: int = 0
 
 
 class Runner:
@@ -134,7 +135,7 @@ class Runner:
         end = max((r.end for r in self.records), default=time.perf_counter())
         duration, cpu = end - start, time.process_time() - cpu_start
         summary = summarize(self.records, duration, spec.slo, client_cpu_s=cpu)
-        return RunResult(self.records, [], summary, start, None)
+        return RunResult(self.records, [], summary, start, None, spec.seed)
 
     async def _release(self, sessions, start: float) -> None:
         arrival = self.spec.arrival

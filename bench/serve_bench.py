@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+from dataclasses import replace
 
 from bench.arrivals import ARRIVALS, ArrivalSpec
 from bench.report import (
@@ -175,12 +176,18 @@ def expand_points(args, model: str) -> list[tuple[str, dict, RunSpec]]:
 
 
 async def run_points(points, maker, repeats: int, printer=print) -> list[dict]:
-    """Every point `repeats` times, each run with its own warm-up; prints as it goes."""
-    entries = []
+    """Every point `repeats` times, each run with its own warm-up; prints as it goes.
+
+    Each run draws its own prompts (seed + run number): a server with a prefix cache
+    (vLLM's is on by default) would otherwise serve a repeat from it.
+    """
+    entries, run_number = [], 0
     for label, variable, spec in points:
         runs = []
         for _ in range(repeats):
-            runs.append(run_entry(await run_once(spec, maker)))
+            run_spec = replace(spec, seed=spec.seed + run_number)
+            runs.append(run_entry(await run_once(run_spec, maker)))
+            run_number += 1
         entries.append(point_entry(label, variable, runs))
         printer(format_point(entries[-1]))
     return entries
@@ -220,14 +227,14 @@ def _run(args: argparse.Namespace) -> int:
     header = build_header(TOOL, args.url, model, args.tokenizer, points[0][2])
     print(_header_line(header, points[0][2]))
     entries = asyncio.run(run_points(points, maker, args.repeats))
-    if len(entries) > 1:
-        print(format_table(entries))
-    print(format_definitions())
     header["machine_after"] = {"load_average": [round(x, 2) for x in os.getloadavg()]}
     if args.json:
         write_json(args.json, header, entries)
     if args.csv:
         write_csv(args.csv, entries)
+    if len(entries) > 1:
+        print(format_table(entries))
+    print(format_definitions())
     return 0
 
 

@@ -148,12 +148,12 @@ def _run(args: argparse.Namespace) -> int:
     header = build_header("pdserve bench sweep", args.url, model, args.tokenizer, points[0][2])
     header["sweep"] = {"vary": args.vary, "values": args.values}
     entries = asyncio.run(run_points(points, maker, args.repeats))
-    print(format_table(entries))
-    print(format_definitions())
-    for path in plot_sweep(entries, args.vary, args.plot):
-        print(f"wrote {path}")
     if args.json:
         write_json(args.json, header, entries)
     if args.csv:
         write_csv(args.csv, entries)
+    paths = plot_sweep(entries, args.vary, args.plot)
+    print(format_table(entries))
+    print(format_definitions())
+    print("wrote " + ", ".join(paths))
     return 0

@@ -334,3 +334,15 @@ def test_compare_shows_ratios_and_what_moved_in_the_server(tmp_path):
 
     assert "output tok/s" in text and "1.50x" in text and "0.50x" in text
     assert "decode batch size" in text and "server (/metrics delta)" in text
+
+
+def test_duration_mode_starts_nothing_after_the_deadline(fake_server, maker):
+    workload = WorkloadSpec(prompt_len="8", output_len="2")
+    arrival = ArrivalSpec(rate=50.0, kind="constant")
+    changes = dict(workload=workload, arrival=arrival, num_prompts=None, duration_s=0.3)
+
+    _, result = _run_against(fake_server, {**changes, "warmup": 0}, maker)
+
+    starts = [r.start - result.started_at for r in result.records]
+    assert 10 <= len(starts) <= 16  # 50/s for 0.3 s: 15 due before the deadline
+    assert max(starts) < 0.3 and result.summary["ok"] == len(starts)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from bench.hardware import hardware_profile
+from bench.hardware import hardware_profile, measure_cpu
 from bench.kv_calc import kv_bytes_per_token, kv_capacity, parse_bytes
 from bench.model_shape import load_shape, shape_from_config, total_params
 from bench.roofline import decode_step, prefill_step, roofline
@@ -112,20 +112,27 @@ def test_batching_moves_decode_toward_the_ridge(demo):
     assert steps[0].intensity < steps[1].intensity < steps[2].intensity
 
 
-def test_roofline_cli_measures_the_cpu_and_prints_json():
+def test_cpu_profile_is_measured_here():
+    cpu = measure_cpu(("float32", "bfloat16"), None, num_bytes=32 << 20, matmul_n=256)
+    assert cpu.measured and cpu.name == "cpu"
+    assert cpu.memory_bandwidth > 1e8 and cpu.memory_bytes > 1 << 30
+    assert cpu.flops("float32") > 1e8 and cpu.flops("bfloat16") > 1e7
+    assert cpu.ridge("float32") == cpu.flops("float32") / cpu.memory_bandwidth
+    with pytest.raises(ValueError):
+        cpu.flops("fp8")
+
+
+def test_roofline_cli_prints_json():
     result = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "roofline", "--hardware", "cpu", "--json"],
+        [sys.executable, "-m", "cluster.cli", "roofline", "--hardware", "a100", "--json"],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
-    assert report["hardware"]["measured"] is True
-    assert report["hardware"]["memory_bandwidth"] > 1e8
-    assert report["hardware"]["peak_flops"]["float32"] > 1e8
-    assert report["decode"]["dtype"] == "float32"
-    assert report["decode"]["lower_bound_s"] > 0
+    assert report["hardware"]["name"] == "a100" and report["decode"]["dtype"] == "bfloat16"
+    assert report["decode"]["bound"] == "memory" and report["decode"]["lower_bound_s"] > 0
 
 
 def test_kv_calc_cli_with_a_config_file(tmp_path):
