@@ -134,8 +134,18 @@ class Runner:
             self.progress.close()
         end = max((r.end for r in self.records), default=time.perf_counter())
         duration, cpu = end - start, time.process_time() - cpu_start
+        self._count_unreported_output()
         summary = summarize(self.records, duration, spec.slo, client_cpu_s=cpu)
         return RunResult(self.records, [], summary, start, None, spec.seed)
+
+    def _count_unreported_output(self) -> None:
+        """After the clock stopped: output tokens of servers that send no usage, counted
+        from the streamed text with the tokenizer (the actual length, EOS or not)."""
+        for record in self.records:
+            if record.ok and not record.completion_tokens and record.text:
+                record.completion_tokens = len(
+                    self.maker.hf.encode(record.text, add_special_tokens=False)
+                )
 
     async def _release(self, sessions, start: float) -> None:
         arrival = self.spec.arrival

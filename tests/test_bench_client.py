@@ -209,11 +209,13 @@ class FakeOpenAI:
         await response.prepare(request)
         tokens = body["max_tokens"] if "CUT" not in prompt else 2
         for _ in range(tokens):
-            chunk = {"choices": [{"index": 0, "text": "a", "finish_reason": None}]}
+            chunk = {"choices": [{"index": 0, "text": " the", "finish_reason": None}]}
             await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
         if "ERROREVENT" in prompt:
             await response.write(b'data: {"error": {"message": "worker died"}}\n\n')
-        if "CUT" not in prompt:
+        if "NOUSAGE" in prompt:
+            await response.write(b"data: [DONE]\n\n")
+        elif "CUT" not in prompt:
             usage = {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": tokens}}
             await response.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
         return response
@@ -249,7 +251,7 @@ def _run_against(fake_server, spec_changes: dict, maker):
 
 
 def test_failed_requests_are_counted_as_failed(fake_server, maker, tmp_path):
-    prompts = ["fine one", "FAIL please", "CUT short", "ERROREVENT now", "SLOW down", "fine two"]
+    prompts = ["fine one", "FAIL please", "CUT short", "ERROREVENT now", "SLOW down", "NOUSAGE"]
     dataset = tmp_path / "p.jsonl"
     dataset.write_text("\n".join(json.dumps({"prompt": p, "output_len": 4}) for p in prompts))
     workload = WorkloadSpec(kind="jsonl", dataset=str(dataset))
@@ -263,8 +265,15 @@ def test_failed_requests_are_counted_as_failed(fake_server, maker, tmp_path):
     s = result.summary
     assert (s["requests"], s["ok"], s["failed"], s["error"], s["timeout"]) == (6, 2, 4, 3, 1)
     assert s["errors_by_status"] == {"500": 1}
-    assert s["output_tokens"] == 8 and s["prompt_tokens"] == 14  # usage of the two good ones
+    # Usage of the one good request that sent it; the other's 4 tokens counted from its text.
+    assert s["output_tokens"] == 8 and s["prompt_tokens"] == 7 + _client_count_without_usage(result)
     assert result.server_metrics["delta"] == {"fake_requests_total": 6.0}
+
+
+def _client_count_without_usage(result) -> int:
+    """The client's own count for the request whose server sent no usage."""
+    (record,) = [r for r in result.records if r.ok and r.server_prompt_tokens is None]
+    return record.prompt_tokens
 
 
 def test_warmup_requests_are_absent_from_the_results(fake_server, maker):
