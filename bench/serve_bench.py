@@ -240,7 +240,8 @@ def _run(args: argparse.Namespace) -> int:
 
 def _header_line(header: dict, spec: RunSpec) -> str:
     w = spec.workload
-    lengths = f"prompt {w.prompt_len}, output {w.output_len or 'dataset/64'}"
+    default_output = "the dataset's" if w.kind in ("jsonl", "sharegpt") else "64"
+    lengths = f"prompt {w.prompt_len}, output {w.output_len or default_output}"
     if w.kind == "shared-prefix":
         lengths = f"{w.num_groups} groups, prefix {w.prefix_len} + question {w.question_len}"
     run = f"{spec.num_prompts} sessions" if spec.num_prompts else f"{spec.duration_s:g} s"
