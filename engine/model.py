@@ -20,6 +20,7 @@ adds and norms run in float32.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -34,6 +35,7 @@ from engine.kv_cache import KVCachePool
 from engine.layer_ops import RESIDUAL_DTYPE, HeadSizes, KernelChoice, make_layer_ops
 from engine.model_spec import ModelSpec
 from engine.rope import RotaryEmbedding
+from engine.threads import ThreadChoice
 from engine.weights import LayerWeights, load_weights
 
 __all__ = ["RESIDUAL_DTYPE", "LlamaForward"]
@@ -67,6 +69,7 @@ class LlamaForward:
         self.attention = attention
         self.scale = spec.head_dim**-0.5
         self.heads = HeadSizes(spec.num_heads, spec.num_kv_heads, spec.head_dim)
+        self.thread_choice: ThreadChoice | None = None
         self.fused_decode = None
         if self.ops.name == "native" and attention.name == "native":
             from engine.native.decode_step import FusedDecode
@@ -82,7 +85,29 @@ class LlamaForward:
         kv_pool: KVCachePool,
         logits_rows: torch.Tensor,
     ) -> torch.Tensor:
-        """Run one packed step; returns float32 logits [len(logits_rows), vocab]."""
+        """Run one packed step; returns float32 logits [len(logits_rows), vocab].
+
+        With the native kernels the step runs on the thread count that has been fastest for
+        steps like it (`engine.threads`): all of torch's threads, or one when other work
+        shares the cores. Their results do not depend on the thread count; torch's ops may,
+        so the torch path keeps the configured count."""
+        if self.ops.name != "native":
+            return self._step(input_ids, positions, meta, kv_pool, logits_rows)
+        configured = torch.get_num_threads()
+        if self.thread_choice is None or max(self.thread_choice.counts) != configured:
+            self.thread_choice = ThreadChoice(configured)
+        key = (not meta.prefill_chunks, input_ids.shape[0].bit_length())
+        threads = self.thread_choice.pick(key)
+        torch.set_num_threads(threads)
+        start = time.perf_counter()
+        try:
+            logits = self._step(input_ids, positions, meta, kv_pool, logits_rows)
+        finally:
+            torch.set_num_threads(configured)
+        self.thread_choice.record(key, threads, time.perf_counter() - start)
+        return logits
+
+    def _step(self, input_ids, positions, meta, kv_pool, logits_rows) -> torch.Tensor:
         every_row_samples = logits_rows.shape[0] == input_ids.shape[0]
         if self.fused_decode is not None and not meta.prefill_chunks and every_row_samples:
             logits = self.fused_decode.run(input_ids, positions, meta, kv_pool)

@@ -193,3 +193,55 @@ def test_decode_graph_buckets_pad_without_changing_logits(tiny_llama_dir):
     for chunk in chunks:
         engine.abort(chunk.seq.request_id)
     assert_no_leaks(engine)
+
+
+@needs_native
+def test_fused_decode_step_matches_per_operation_path_on_any_thread_count(tiny_llama_dir):
+    """A decode-only step runs as one native call; its logits match the operation-by-
+    operation path, and are bit-identical on one thread and on two."""
+    engine = make_engine(tiny_llama_dir)
+    chunks = _decode_step_inputs(engine, [5, 17, 30])
+    step = engine.runner.build_step(chunks)
+    model = engine.model
+    assert model.fused_decode is not None
+
+    def logits(threads: int, fused: bool) -> torch.Tensor:
+        previous, saved = torch.get_num_threads(), model.fused_decode
+        torch.set_num_threads(threads)
+        model.fused_decode = saved if fused else None
+        try:
+            return model.forward(
+                step.input_ids, step.positions, step.meta, engine.kv_pool, step.logits_rows
+            )
+        finally:
+            torch.set_num_threads(previous)
+            model.fused_decode = saved
+
+    one, two = logits(1, fused=True), logits(2, fused=True)
+    assert torch.equal(one, two)
+    torch.testing.assert_close(one, logits(1, fused=False), atol=1e-4, rtol=1e-5)
+    for chunk in chunks:
+        engine.abort(chunk.seq.request_id)
+    assert_no_leaks(engine)
+
+
+def test_thread_choice_follows_the_faster_count_and_comes_back():
+    """Quiet machine: two threads win. Busy sibling core: one thread wins within a
+    retry. Quiet again: two threads are back within LAST_RETRY steps."""
+    from engine.threads import LAST_RETRY, ThreadChoice
+
+    choice = ThreadChoice(2)
+    picked = []
+    for step in range(4 * LAST_RETRY):
+        threads = choice.pick(1)
+        busy = LAST_RETRY <= step < 2 * LAST_RETRY
+        seconds = (0.300 if threads == 2 else 0.030) if busy else (0.018 if threads == 2 else 0.025)
+        choice.record(1, threads, seconds)
+        picked.append(threads)
+
+    quiet, contended = picked[:LAST_RETRY], picked[LAST_RETRY : 2 * LAST_RETRY]
+    after = picked[-LAST_RETRY:]
+    assert quiet.count(2) > 0.9 * len(quiet)
+    assert contended.count(1) > 0.9 * len(contended)
+    assert after.count(2) > 0.9 * len(after)
+    assert ThreadChoice(1).pick(16) == 1

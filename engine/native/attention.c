@@ -5,11 +5,13 @@
  * Decode: a work item is one sequence's span of blocks, all heads, so that each block
  * of the pool is read as one contiguous piece (block_size * Hkv * D floats), the next
  * block prefetched while this one is used (blocks sit anywhere in the pool). With
- * fewer sequences than threads a sequence's blocks are split into spans whose partial
- * softmax results (peak, sum, weighted values) are merged. Eight-wide vectors whatever
+ * fewer than MIN_ITEMS sequences, a sequence's blocks are split into spans whose
+ * partial softmax results (peak, sum, weighted values) are merged. Eight-wide vectors whatever
  * the ISA: head dims are multiples of 8 and the score reduction is written for 8.
  */
 #include "native.h"
+
+#define MIN_ITEMS 8 /* decode work items per step: a sequence splits into spans below this */
 
 void rope_store_team(const rope_store_args *a, int t, int nt) {
   long D = a->D, half = D / 2, heads = a->Hq + a->Hkv, row_kv = a->Hkv * D;
@@ -204,7 +206,10 @@ int attention_plan(attention_args *a, int nthreads) {
     long blocks = (a->context_lens[r] + a->block_size - 1) / a->block_size;
     max_blocks = blocks > max_blocks ? blocks : max_blocks;
   }
-  long spans = a->R >= 2 * nthreads ? 1 : (2 * nthreads + a->R - 1) / a->R;
+  /* Split by the batch alone, never by the thread count, so that a step's result (its
+   * merge order) is the same on any number of threads. */
+  (void)nthreads;
+  long spans = a->R >= MIN_ITEMS ? 1 : (MIN_ITEMS + a->R - 1) / a->R;
   a->spans = spans < max_blocks ? spans : max_blocks;
   a->blocks_per_span = (max_blocks + a->spans - 1) / a->spans;
   return 0;
