@@ -2,15 +2,22 @@
  * new tokens, decode attention (each row over its own blocks), and the gather a
  * prefill chunk after cached context needs for torch's SDPA.
  *
- * Decode: a work item is one sequence's span of blocks, all heads, so that each block
- * of the pool is read as one contiguous piece (block_size * Hkv * D floats), the next
- * block prefetched while this one is used (blocks sit anywhere in the pool). With
- * fewer than MIN_ITEMS sequences, a sequence's blocks are split into spans whose
- * partial softmax results (peak, sum, weighted values) are merged. Eight-wide vectors whatever
+ * Decode: a work item is one sequence's span of blocks, all heads. It makes one pass
+ * over its blocks, each block's keys then values (one contiguous piece of the pool,
+ * 2 * block_size * Hkv * D floats), with an online softmax (running peak and sum per
+ * head, rescaled as the peak rises), while the next block is prefetched a share per
+ * head. Blocks sit anywhere in the pool, so without that the hardware prefetcher
+ * loses the stream at every block: 16 sequences x 290 tokens, 30 layers, one thread:
+ * 28-31 ms with a pass over all keys then one over all values, 18-22 ms this way.
+ * With fewer than MIN_ITEMS sequences, a sequence's blocks are split into spans whose
+ * partial results (peak, sum, weighted values) are merged. Eight-wide vectors whatever
  * the ISA: head dims are multiples of 8 and the score reduction is written for 8.
  */
 #include "native.h"
 
+#ifndef ATT_PF
+#define ATT_PF 2 /* the next block is prefetched into L2 (into L1 it was slower) */
+#endif
 #define MIN_ITEMS 8 /* decode work items per step: a sequence splits into spans below this */
 
 void rope_store_team(const rope_store_args *a, int t, int nt) {
@@ -50,9 +57,6 @@ static inline float dot8(const float *a, const float *b, long D) {
   return transpose_sum8(parts)[0];
 }
 
-static inline void prefetch_span(const float *data, long floats) {
-  for (long i = 0; i < floats; i += 16) __builtin_prefetch(data + i);
-}
 
 /* Where a sequence's paged KV is and how it is laid out. */
 typedef struct {
@@ -65,53 +69,59 @@ static inline long span_tokens(long t0, long t_end, long block_size) {
   return t_end - t0 < block_size ? t_end - t0 : block_size;
 }
 
-/* scores[j * span + t] = q_j . k_t (q pre-scaled), query head j over kv head j / G. */
-static void span_scores(const paged_seq *s, const float *q, long t_begin, long t_end,
-                        float *scores) {
-  long G = s->Hq / s->Hkv, D = s->D, row = s->Hkv * D, span = t_end - t_begin;
-  for (long t0 = t_begin; t0 < t_end; t0 += s->block_size) {
-    long n = span_tokens(t0, t_end, s->block_size);
-    const float *kb = s->k + s->table[t0 / s->block_size] * s->block_stride;
-    if (t0 + s->block_size < t_end)
-      prefetch_span(s->k + s->table[t0 / s->block_size + 1] * s->block_stride,
-                    span_tokens(t0 + s->block_size, t_end, s->block_size) * row);
-    for (long j = 0; j < s->Hq; j++) {
-      const float *qj = q + j * D, *kh = kb + (j / G) * D;
-      float *out = scores + j * span + (t0 - t_begin);
-      long i = 0;
-      for (; i + 8 <= n; i += 8) {
-        f8 acc[8] = {0};
-        for (long d = 0; d < D; d += 8) {
-          f8 qv = LOAD8(qj + d);
-          for (int t = 0; t < 8; t++) acc[t] += qv * LOAD8(kh + (i + t) * row + d);
-        }
-        STORE8(out + i, transpose_sum8(acc));
+/* scores[j * stride + i] = q_j . k_i for the n tokens of one block (q pre-scaled),
+ * query head j over kv head j / G. */
+static void block_scores(const paged_seq *s, const float *q, const float *kb, long n,
+                         float *scores, long stride, const float *next, long next_floats) {
+  long G = s->Hq / s->Hkv, D = s->D, row = s->Hkv * D;
+  long share = (next_floats / s->Hq + 15) / 16 * 16;
+  for (long j = 0; j < s->Hq; j++) {
+    const float *qj = q + j * D, *kh = kb + (j / G) * D;
+    /* The next block's keys and values, a share per head: spread over this block's work. */
+    for (long f = j * share; next && f < (j + 1) * share && f < next_floats; f += 16)
+      __builtin_prefetch(next + f, 0, ATT_PF);
+    float *out = scores + j * stride;
+    long i = 0;
+    for (; i + 8 <= n; i += 8) {
+      f8 acc[8] = {0};
+      for (long d = 0; d < D; d += 8) {
+        f8 qv = LOAD8(qj + d);
+        for (int t = 0; t < 8; t++) acc[t] += qv * LOAD8(kh + (i + t) * row + d);
       }
-      for (; i < n; i++) out[i] = dot8(qj, kh + i * row, D);
+      STORE8(out + i, transpose_sum8(acc));
     }
+    for (; i < n; i++) out[i] = dot8(qj, kh + i * row, D);
   }
 }
 
-/* exp(s - peak) in place over each query head's scores; peak and sum per head. */
-static void span_softmax(float *scores, long heads, long span, float *peak, float *total) {
+/* Online softmax over one block: p = exp(s - peak) in place, where each head's running
+ * peak rises to cover the block; its running total and weighted values (out) are
+ * rescaled to the new peak first. */
+static void block_softmax(float *scores, long stride, long heads, long n, long D, float *peak,
+                          float *total, float *out) {
   for (long j = 0; j < heads; j++) {
-    float *row = scores + j * span, m = -INFINITY;
-    for (long t = 0; t < span; t++) m = row[t] > m ? row[t] : m;
+    float *row = scores + j * stride, m = peak[j];
+    for (long t = 0; t < n; t++) m = row[t] > m ? row[t] : m;
+    if (m > peak[j]) {
+      float rescale = sexp(peak[j] - m); /* 0 on the first block: peak starts at -inf */
+      total[j] *= rescale;
+      for (long d = 0; d < D; d += 8) STORE8(out + j * D + d, LOAD8(out + j * D + d) * splat8(rescale));
+      peak[j] = m;
+    }
     f8 acc = splat8(0.0f);
     long t = 0;
-    for (; t + 8 <= span; t += 8) {
+    for (; t + 8 <= n; t += 8) {
       f8 e = vexp8(LOAD8(row + t) - splat8(m));
       STORE8(row + t, e);
       acc += e;
     }
     f8 parts[8] = {acc};
     float sum = transpose_sum8(parts)[0];
-    for (; t < span; t++) {
+    for (; t < n; t++) {
       row[t] = sexp(row[t] - m);
       sum += row[t];
     }
-    peak[j] = m;
-    total[j] = sum;
+    total[j] += sum;
   }
 }
 
@@ -162,20 +172,24 @@ static void group_block_values(long G, const float *p, long span, long n, const 
     }
 }
 
-/* Unnormalized sum_t p_j[t] v_t for every query head j over the span (out: Hq * D). */
-static void span_values(const paged_seq *s, const float *scores, long t_begin, long t_end,
-                        float *out) {
-  long G = s->Hq / s->Hkv, D = s->D, row = s->Hkv * D, span = t_end - t_begin;
+/* One pass over the span's blocks, each block's keys then values (one contiguous piece
+ * of the pool): out = unnormalized sum_t p_j[t] v_t per query head j (Hq * D), with
+ * peak and total the softmax's running max and sum. scores: Hq * block_size floats. */
+static void span_attend(const paged_seq *s, const float *q, long t_begin, long t_end,
+                        float *scores, float *out, float *peak, float *total) {
+  long G = s->Hq / s->Hkv, D = s->D, row = s->Hkv * D, bs = s->block_size;
+  for (long j = 0; j < s->Hq; j++) peak[j] = -INFINITY, total[j] = 0.0f;
   memset(out, 0, sizeof(float) * (size_t)(s->Hq * D));
-  for (long t0 = t_begin; t0 < t_end; t0 += s->block_size) {
-    long n = span_tokens(t0, t_end, s->block_size);
-    const float *vb = s->v + s->table[t0 / s->block_size] * s->block_stride;
-    if (t0 + s->block_size < t_end)
-      prefetch_span(s->v + s->table[t0 / s->block_size + 1] * s->block_stride,
-                    span_tokens(t0 + s->block_size, t_end, s->block_size) * row);
+  for (long t0 = t_begin; t0 < t_end; t0 += bs) {
+    long n = span_tokens(t0, t_end, bs);
+    const float *kb = s->k + s->table[t0 / bs] * s->block_stride;
+    const float *vb = s->v + s->table[t0 / bs] * s->block_stride;
+    const float *next = t0 + bs < t_end ? s->k + s->table[t0 / bs + 1] * s->block_stride : 0;
+    long next_floats = (s->v - s->k) + span_tokens(t0 + bs, t_end, bs) * row;
+    block_scores(s, q, kb, n, scores, bs, next, next_floats);
+    block_softmax(scores, bs, s->Hq, n, D, peak, total, out);
     for (long h = 0; h < s->Hkv; h++)
-      group_block_values(G, scores + h * G * span + (t0 - t_begin), span, n, vb + h * D, row,
-                         D, out + h * G * D);
+      group_block_values(G, scores + h * G * bs, bs, n, vb + h * D, row, D, out + h * G * D);
   }
 }
 
@@ -217,9 +231,7 @@ int attention_plan(attention_args *a, int nthreads) {
 
 long attention_partial_stride(const attention_args *a) { return a->Hq * a->D + 2 * a->Hq; }
 
-long attention_scratch_floats(const attention_args *a) {
-  return a->Hq * (a->blocks_per_span * a->block_size + a->D);
-}
+long attention_scratch_floats(const attention_args *a) { return a->Hq * (a->block_size + a->D); }
 
 /* One item: row r's span sp; its result goes to out (normalized) or to partial. */
 static void attend_item(const attention_args *a, long item, float *scratch) {
@@ -230,7 +242,7 @@ static void attend_item(const attention_args *a, long item, float *scratch) {
   t_end = t_end < ctx ? t_end : ctx;
   paged_seq s = {a->k_cache, a->v_cache, a->block_stride, a->block_size, Hq, a->Hkv, D,
                  a->block_tables + r * a->table_stride};
-  float peak[MAX_HEADS], total[MAX_HEADS], *qs = scratch + Hq * a->blocks_per_span * a->block_size;
+  float peak[MAX_HEADS], total[MAX_HEADS], *qs = scratch + Hq * a->block_size;
   float *dst = a->partial ? a->partial + item * stride : a->out + r * a->ldo;
   float *p_peak = a->partial ? dst + Hq * D : peak, *p_total = a->partial ? dst + Hq * D + Hq : total;
   if (t_begin >= t_end) { /* an empty span contributes nothing to the merge */
@@ -239,9 +251,7 @@ static void attend_item(const attention_args *a, long item, float *scratch) {
     return;
   }
   for (long i = 0; i < Hq * D; i++) qs[i] = a->q[r * a->ldq + i] * a->scale;
-  span_scores(&s, qs, t_begin, t_end, scratch);
-  span_softmax(scratch, Hq, t_end - t_begin, p_peak, p_total);
-  span_values(&s, scratch, t_begin, t_end, dst);
+  span_attend(&s, qs, t_begin, t_end, scratch, dst, p_peak, p_total);
   if (!a->partial)
     for (long j = 0; j < Hq; j++)
       for (long d = 0; d < D; d++) dst[j * D + d] /= p_total[j];
