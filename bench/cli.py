@@ -11,9 +11,10 @@ def add_bench_parser(sub) -> None:
     engine = kinds.add_parser(
         "engine",
         help="decode and prefill throughput of the engine vs transformers, same run",
-        description="Decode tokens/s at several batch sizes and prefill tokens/s, next to "
-        "transformers generate (batch 1 and batched) and transformers continuous batching, "
-        "plus the batch-1 step time against the memory roofline.",
+        description="Steady-state decode step at several batch sizes (ours and transformers' "
+        "generate, prefill cancelled out), end-to-end batched generation (ours, transformers' "
+        "generate and continuous batching, prefill included), prefill tokens/s, and each "
+        "decode step against the roofline of read bandwidth measured in the same run.",
     )
     engine.add_argument("--model", default="demo")
     engine.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
@@ -23,6 +24,13 @@ def add_bench_parser(sub) -> None:
     engine.add_argument("--prompt-len", type=int, default=256)
     engine.add_argument("--decode-steps", type=int, default=32)
     engine.add_argument("--threads", type=int, default=None)
+    engine.add_argument(
+        "--kernels",
+        default="auto",
+        choices=["auto", "native", "torch"],
+        help="layer ops: native float32 CPU kernels, torch, or auto (native where it applies)",
+    )
+    engine.add_argument("--repeats", type=int, default=3, help="runs per figure (median)")
     engine.add_argument("--skip-transformers", action="store_true", help="only our engine")
     engine.add_argument("--json", default=None, help="also write results to this JSON file")
     engine.set_defaults(func=_run_engine_bench)

@@ -1,27 +1,42 @@
 """`pdserve bench engine`: our engine next to transformers on the same model, same run.
 
-What it measures, per the benchmark method in docs/benchmarks.md:
-  * decode step time and tokens/s at several batch sizes (steady state after prefill),
-  * prefill tokens/s,
-  * transformers `generate` at batch 1 and batched, and transformers continuous
-    batching (`generate_batch`) with the same requests,
-  * the batch-1 step time against a memory roofline: weight bytes per step divided
-    by the copy bandwidth measured in this run.
+Two kinds of figure, never mixed in one column:
+
+* steady-state decode: every prompt already prefilled, one step = one new token for
+  each of `batch` sequences. Ours is the median step of a decode run; transformers'
+  is (generate N+1 tokens - generate 1 token) / N, which cancels its prefill.
+* end to end: the same `batch` prompts of `prompt_len` tokens prefilled and decoded
+  to `decode_steps` new tokens, as transformers' batched `generate` and its continuous
+  batching (`generate_batch`) measure it: our `generate`, their two, tokens/s.
+
+Each decode step is set against the roofline of the same process's CPU, measured in
+this run (`bench.roofline`, read bandwidth = a sum over 512 MiB): the weights alone
+(bytes streamed per step / read bandwidth: the batch-1 target) and the lower bound
+with the KV cache read too. Prefill is tokens/s of 8 prompts in one batch. Every
+figure is a median of `--repeats` runs; the CPU and the load average are printed.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 from tqdm import tqdm
 
-from bench.timing import best_of, copy_bandwidth
+from bench.hardware import cpu_model, hardware_profile
+from bench.model_shape import DTYPE_BYTES, streamed_weight_params
+from bench.roofline import decode_step
+from bench.timing import load_average, median_of
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.model import LlamaForward
+from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
+
+PREFILL_PROMPTS = 8
 
 
 @dataclass
@@ -29,16 +44,27 @@ class EngineBenchResult:
     model: str
     dtype: str
     threads: int
+    kernels: str
     prompt_len: int
     decode_steps: int
-    copy_bandwidth_gbps: float
+    repeats: int
+    cpu: str
+    read_bandwidth_gbps: float
     weight_bytes: int
-    roofline_step_ms: float
+    weight_roofline_ms: float
+    """Weights streamed per step / read bandwidth: the floor of a batch-1 step."""
+    load_before: float = 0.0
+    load_after: float = 0.0
     ours_step_ms: dict[int, float] = field(default_factory=dict)
+    roofline_step_ms: dict[int, float] = field(default_factory=dict)
+    """Weights + KV read per step / read bandwidth (bench.roofline lower bound)."""
     ours_prefill_tok_s: float = 0.0
-    hf_step_ms_batch1: float | None = None
-    hf_tok_s_batched: dict[int, float] = field(default_factory=dict)
+    ours_e2e_tok_s: dict[int, float] = field(default_factory=dict)
+    hf_step_ms: dict[int, float] = field(default_factory=dict)
+    hf_e2e_tok_s: dict[int, float] = field(default_factory=dict)
     hf_cb_tok_s: dict[int, float] = field(default_factory=dict)
+    thread_choice: dict[str, dict[int, float]] = field(default_factory=dict)
+    """Per kind of step and size bucket: moving-average ms per thread count (engine.threads)."""
 
     def ours_tok_s(self, batch: int) -> float:
         return batch * 1000.0 / self.ours_step_ms[batch]
@@ -49,24 +75,128 @@ def _prompts(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
     return torch.randint(100, vocab - 100, (batch, prompt_len), generator=generator).tolist()
 
 
+def _greedy(tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+
+
 def _decode_step_ms(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -> float:
-    params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+    """Median decode step of `batch` sequences after their prompts are prefilled."""
     for i, prompt in enumerate(_prompts(batch, prompt_len, engine.spec.vocab_size)):
-        engine.add_request(f"bench-{batch}-{i}", prompt, params)
+        engine.add_request(f"bench-{batch}-{i}-{time.monotonic_ns()}", prompt, _greedy(steps + 1))
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.sequences.values()):
         engine.step()
-    start = time.perf_counter()
-    count = 0
+    times = []
     while engine.has_unfinished():
+        start = time.perf_counter()
         engine.step()
-        count += 1
-    return (time.perf_counter() - start) * 1000.0 / max(count, 1)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[:-1] or times) * 1000.0  # the last step only finishes
 
 
-def _prefill_tok_s(engine: LLMEngine, prompt_len: int) -> float:
-    prompts = _prompts(8, prompt_len, engine.spec.vocab_size)
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    return 8 * prompt_len / best_of(lambda: engine.generate(prompts, params), repeats=2)
+def _prefill_tok_s(engine: LLMEngine, prompt_len: int, repeats: int) -> float:
+    prompts = _prompts(PREFILL_PROMPTS, prompt_len, engine.spec.vocab_size)
+    seconds = median_of(lambda: engine.generate(prompts, _greedy(1)), repeats)
+    return PREFILL_PROMPTS * prompt_len / seconds
+
+
+def _e2e_tok_s(engine: LLMEngine, batch: int, prompt_len: int, steps: int, repeats) -> float:
+    prompts = _prompts(batch, prompt_len, engine.spec.vocab_size)
+    return batch * steps / median_of(lambda: engine.generate(prompts, _greedy(steps)), repeats)
+
+
+def _engine(args, max_batch: int) -> LLMEngine:
+    blocks = max_batch * ((args.prompt_len + args.decode_steps + 16) // 16 + 1)
+    config = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        num_kv_blocks=blocks,
+        max_num_seqs=max_batch,
+        max_batch_tokens=max(2048, args.prompt_len * PREFILL_PROMPTS),
+        prefill_chunk_size=max(512, args.prompt_len),
+        num_threads=args.threads,
+    )
+    engine = LLMEngine(config)
+    if args.kernels != "auto":  # rebuilt on the asked-for kernel set, same pool
+        engine.model = LlamaForward(
+            engine.model_dir,
+            engine.spec,
+            config.torch_dtype,
+            config.device,
+            max_positions=engine.max_model_len,
+            kernels=args.kernels,
+        )
+        engine.runner = ModelRunner(engine.model, engine.kv_pool)
+    return engine
+
+
+def run_engine_bench(args) -> int:
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    load_before = load_average()
+    engine = _engine(args, max(batch_sizes))
+    result = _new_result(engine, args, load_before)
+    _decode_step_ms(engine, 1, 16, 4)  # warm-up: first calls pay for allocator and kernel setup
+    context = args.prompt_len + args.decode_steps // 2
+    hardware = hardware_profile("cpu", dtypes=(result.dtype,), threads=args.threads)
+    for batch in tqdm(batch_sizes, desc="pdserve decode"):
+        runs = [
+            _decode_step_ms(engine, batch, args.prompt_len, args.decode_steps)
+            for _ in range(args.repeats)
+        ]
+        result.ours_step_ms[batch] = statistics.median(runs)
+        bound = decode_step(engine.spec, hardware, batch, context, result.dtype)
+        result.roofline_step_ms[batch] = bound.lower_bound_s * 1000.0
+    result.ours_prefill_tok_s = _prefill_tok_s(engine, args.prompt_len, args.repeats)
+    for batch in _e2e_batches(batch_sizes):
+        result.ours_e2e_tok_s[batch] = _e2e_tok_s(
+            engine, batch, args.prompt_len, args.decode_steps, args.repeats
+        )
+    engine.allocator.assert_all_free()
+    result.thread_choice = _thread_choice(engine)
+    if not args.skip_transformers:
+        _run_transformers(engine, result, args, batch_sizes)
+    result.load_after = load_average()
+    print(format_report(result))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(asdict(result), handle, indent=2)
+    return 0
+
+
+def _new_result(engine: LLMEngine, args, load_before: float) -> EngineBenchResult:
+    dtype = engine.config.resolved_dtype
+    hardware = hardware_profile("cpu", dtypes=(dtype,), threads=args.threads)
+    weight_bytes = streamed_weight_params(engine.spec) * DTYPE_BYTES[dtype]
+    return EngineBenchResult(
+        model=engine.model_id,
+        dtype=dtype,
+        threads=torch.get_num_threads(),
+        kernels=f"{engine.model.ops.name} ops, {engine.model.attention.name} attention",
+        prompt_len=args.prompt_len,
+        decode_steps=args.decode_steps,
+        repeats=args.repeats,
+        cpu=cpu_model(),
+        read_bandwidth_gbps=hardware.memory_bandwidth / 1e9,
+        weight_bytes=weight_bytes,
+        weight_roofline_ms=weight_bytes / hardware.memory_bandwidth * 1000.0,
+        load_before=load_before,
+    )
+
+
+def _thread_choice(engine: LLMEngine) -> dict[str, dict[int, float]]:
+    choice = engine.model.thread_choice
+    if choice is None:
+        return {}
+    named = {}
+    for (decode_only, bucket), averages in sorted(choice.averages().items()):
+        rows = f"{1 << (bucket - 1)}-{(1 << bucket) - 1}" if bucket > 1 else "1"
+        kind = "decode" if decode_only else "prefill/mixed"
+        named[f"{kind} {rows} rows"] = {n: s * 1000.0 for n, s in averages.items()}
+    return named
+
+
+def _e2e_batches(batch_sizes: list[int]) -> list[int]:
+    """Batched end-to-end runs: transformers' generate pads and slows past 16."""
+    return [b for b in batch_sizes if 1 < b <= 16]
 
 
 def _hf_model(engine: LLMEngine):
@@ -77,7 +207,7 @@ def _hf_model(engine: LLMEngine):
     ).eval()
 
 
-def _hf_generate_seconds(model, prompts: list[list[int]], new_tokens: int) -> float:
+def _hf_generate_seconds(model, prompts: list[list[int]], new_tokens: int, repeats) -> float:
     ids = torch.tensor(prompts)
     mask = torch.ones_like(ids)
 
@@ -92,17 +222,17 @@ def _hf_generate_seconds(model, prompts: list[list[int]], new_tokens: int) -> fl
                 pad_token_id=0,
             )
 
-    return best_of(run, repeats=2)
+    return median_of(run, repeats)
 
 
-def _hf_step_ms_batch1(model, prompt: list[int], steps: int) -> float:
-    """Decode step time of HF generate: (N+1 tokens) minus (1 token), divided by N."""
-    long = _hf_generate_seconds(model, [prompt], steps + 1)
-    short = _hf_generate_seconds(model, [prompt], 1)
+def _hf_step_ms(model, prompts: list[list[int]], steps: int, repeats: int) -> float:
+    """Steady-state decode step of HF generate: (N+1 tokens - 1 token) / N cancels prefill."""
+    long = _hf_generate_seconds(model, prompts, steps + 1, repeats)
+    short = _hf_generate_seconds(model, prompts, 1, repeats)
     return (long - short) * 1000.0 / steps
 
 
-def _hf_continuous_batching_tok_s(model, prompts: list[list[int]], new_tokens: int) -> float:
+def _hf_continuous_batching_tok_s(model, prompts, new_tokens: int, repeats: int) -> float:
     from transformers import GenerationConfig
 
     config = GenerationConfig(
@@ -114,110 +244,85 @@ def _hf_continuous_batching_tok_s(model, prompts: list[list[int]], new_tokens: i
         block_size=16,
         max_batch_tokens=512,
     )
-    with torch.inference_mode():
-        model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
-        start = time.perf_counter()
-        model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
-    return len(prompts) * new_tokens / (time.perf_counter() - start)
 
+    def run():
+        with torch.inference_mode():
+            model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
 
-def run_engine_bench(args) -> int:
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    max_batch = max(batch_sizes)
-    blocks = max_batch * ((args.prompt_len + args.decode_steps + 16) // 16 + 1)
-    config = EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        num_kv_blocks=blocks,
-        max_num_seqs=max_batch,
-        max_batch_tokens=max(2048, args.prompt_len),
-        prefill_chunk_size=max(512, args.prompt_len),
-        num_threads=args.threads,
-    )
-    engine = LLMEngine(config)
-    weight_bytes = sum(t.numel() * t.element_size() for t in _weight_tensors(engine))
-    bandwidth = copy_bandwidth()
-    result = EngineBenchResult(
-        model=engine.model_id,
-        dtype=config.resolved_dtype,
-        threads=torch.get_num_threads(),
-        prompt_len=args.prompt_len,
-        decode_steps=args.decode_steps,
-        copy_bandwidth_gbps=bandwidth / 1e9,
-        weight_bytes=weight_bytes,
-        roofline_step_ms=weight_bytes / bandwidth * 1000.0,
-    )
-    _decode_step_ms(engine, 1, 16, 4)  # warm-up: first calls pay for allocator and kernel setup
-    for batch in tqdm(batch_sizes, desc="pdserve decode"):
-        result.ours_step_ms[batch] = _decode_step_ms(
-            engine, batch, args.prompt_len, args.decode_steps
-        )
-    result.ours_prefill_tok_s = _prefill_tok_s(engine, args.prompt_len)
-    engine.allocator.assert_all_free()
-    if not args.skip_transformers:
-        _run_transformers(engine, result, args, batch_sizes)
-    print(format_report(result))
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(asdict(result), handle, indent=2)
-    return 0
+    run()  # warm-up: its first call builds the paged cache
+    return len(prompts) * new_tokens / median_of(run, repeats)
 
 
 def _run_transformers(engine, result: EngineBenchResult, args, batch_sizes) -> None:
     model = _hf_model(engine)
-    vocab = engine.spec.vocab_size
-    steps = args.decode_steps
-    result.hf_step_ms_batch1 = _hf_step_ms_batch1(
-        model, _prompts(1, args.prompt_len, vocab)[0], steps
-    )
-    for batch in tqdm([b for b in batch_sizes if 1 < b <= 16], desc="transformers"):
+    vocab, steps, repeats = engine.spec.vocab_size, args.decode_steps, args.repeats
+    for batch in tqdm([b for b in batch_sizes if b <= 16], desc="transformers"):
         prompts = _prompts(batch, args.prompt_len, vocab)
-        result.hf_tok_s_batched[batch] = batch * steps / _hf_generate_seconds(model, prompts, steps)
-        result.hf_cb_tok_s[batch] = _hf_continuous_batching_tok_s(model, prompts, steps)
-
-
-def _weight_tensors(engine: LLMEngine):
-    weights = engine.model.weights
-    yield weights.embed if weights.lm_head is weights.embed else weights.lm_head
-    yield weights.final_norm
-    for layer in weights.layers:
-        yield from (t for t in vars(layer).values() if isinstance(t, torch.Tensor))
+        result.hf_step_ms[batch] = _hf_step_ms(model, prompts, steps, repeats)
+        if batch in _e2e_batches(batch_sizes):
+            seconds = _hf_generate_seconds(model, prompts, steps, repeats)
+            result.hf_e2e_tok_s[batch] = batch * steps / seconds
+            result.hf_cb_tok_s[batch] = _hf_continuous_batching_tok_s(
+                model, prompts, steps, repeats
+            )
 
 
 def format_report(r: EngineBenchResult) -> str:
     lines = [
-        f"model {r.model}  dtype {r.dtype}  threads {r.threads}  prompt {r.prompt_len}  "
-        f"decode steps {r.decode_steps}",
-        f"copy bandwidth {r.copy_bandwidth_gbps:.2f} GB/s; weights {r.weight_bytes / 1e6:.0f} MB "
-        f"-> roofline step {r.roofline_step_ms:.1f} ms",
+        f"model {r.model}  dtype {r.dtype}  threads {r.threads}  kernels: {r.kernels}",
+        f"CPU {r.cpu}; load average {r.load_before:.2f} before, {r.load_after:.2f} after; "
+        f"medians of {r.repeats} runs",
+        f"read bandwidth {r.read_bandwidth_gbps:.2f} GB/s (this run); weights streamed per "
+        f"step {r.weight_bytes / 1e6:.0f} MB -> weight roofline {r.weight_roofline_ms:.1f} ms",
         "",
-        f"{'batch':>5} {'step ms':>9} {'tok/s':>9} {'x batch1':>9} {'HF generate tok/s':>18} {'HF CB tok/s':>12}",
+        f"Steady-state decode (prompts of {r.prompt_len} prefilled; one step = one token per "
+        "sequence; roofline = weights + KV read at the read bandwidth):",
+        f"{'batch':>5} {'step ms':>8} {'tok/s':>8} {'x batch1':>8} {'roofline ms':>11} "
+        f"{'/roofline':>9} {'HF step ms':>10} {'HF tok/s':>8} {'ours/HF':>7}",
     ]
     base = r.ours_tok_s(min(r.ours_step_ms))
     for batch, step in sorted(r.ours_step_ms.items()):
-        hf = r.hf_tok_s_batched.get(batch)
-        if batch == 1 and r.hf_step_ms_batch1:
-            hf = 1000.0 / r.hf_step_ms_batch1
-        cb = r.hf_cb_tok_s.get(batch)
+        hf = r.hf_step_ms.get(batch)
         lines.append(
-            f"{batch:>5} {step:>9.1f} {r.ours_tok_s(batch):>9.1f} {r.ours_tok_s(batch) / base:>9.2f} "
-            f"{_fmt(hf):>18} {_fmt(cb):>12}"
+            f"{batch:>5} {step:>8.1f} {r.ours_tok_s(batch):>8.1f} "
+            f"{r.ours_tok_s(batch) / base:>8.2f} {r.roofline_step_ms[batch]:>11.1f} "
+            f"{step / r.roofline_step_ms[batch]:>9.2f} {_fmt(hf):>10} "
+            f"{_fmt(hf and batch * 1000.0 / hf):>8} {_fmt(hf and hf / step, 2):>7}"
         )
-    lines.append(f"prefill {r.ours_prefill_tok_s:.0f} tok/s (8 prompts x {r.prompt_len})")
-    step1 = r.ours_step_ms.get(1)
-    if step1:
-        lines.append(f"batch-1 step / roofline = {step1 / r.roofline_step_ms:.2f}")
-        if r.hf_step_ms_batch1:
-            lines.append(
-                f"batch-1 step / transformers step = {step1 / r.hf_step_ms_batch1:.2f} "
-                f"(HF {r.hf_step_ms_batch1:.1f} ms)"
-            )
-    if 16 in r.ours_step_ms and 16 in r.hf_cb_tok_s:
+    lines += _e2e_lines(r)
+    lines.append(
+        f"Prefill: {r.ours_prefill_tok_s:.0f} tok/s ({PREFILL_PROMPTS} prompts x {r.prompt_len})"
+    )
+    if 1 in r.ours_step_ms:
         lines.append(
-            f"16 seqs vs transformers continuous batching = {r.ours_tok_s(16) / r.hf_cb_tok_s[16]:.2f}x"
+            f"batch-1 step / weight roofline = {r.ours_step_ms[1] / r.weight_roofline_ms:.2f}"
         )
+    if r.thread_choice:
+        lines.append("Thread choice (moving average per thread count; the faster one runs):")
+        for name, averages in r.thread_choice.items():
+            shown = ", ".join(f"{n} thr {ms:.1f} ms" for n, ms in sorted(averages.items()))
+            lines.append(f"  {name}: {shown}")
     return "\n".join(lines)
 
 
-def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
+def _e2e_lines(r: EngineBenchResult) -> list[str]:
+    if not r.ours_e2e_tok_s:
+        return []
+    lines = [
+        "",
+        f"End to end (batch prompts of {r.prompt_len} -> {r.decode_steps} new tokens, "
+        "prefill included), tok/s:",
+        f"{'batch':>5} {'ours':>8} {'HF generate':>11} {'HF cont. batching':>17} "
+        f"{'ours/HF gen':>11} {'ours/HF CB':>10}",
+    ]
+    for batch, ours in sorted(r.ours_e2e_tok_s.items()):
+        hf, cb = r.hf_e2e_tok_s.get(batch), r.hf_cb_tok_s.get(batch)
+        lines.append(
+            f"{batch:>5} {ours:>8.1f} {_fmt(hf):>11} {_fmt(cb):>17} "
+            f"{_fmt(hf and ours / hf, 2):>11} {_fmt(cb and ours / cb, 2):>10}"
+        )
+    return [*lines, ""]
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"

@@ -68,3 +68,8 @@ class ThreadChoice:
         won = min(averages, key=averages.__getitem__) == threads
         bucket.retry_in = FIRST_RETRY if won else min(2 * bucket.retry_in, LAST_RETRY)
         bucket.countdown = bucket.retry_in
+
+    def averages(self) -> dict[object, dict[int, float]]:
+        """Key -> {thread count: moving-average seconds}: what the choice is based on
+        (printed by `pdserve bench engine`)."""
+        return {key: dict(bucket.average) for key, bucket in self.buckets.items()}
