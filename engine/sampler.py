@@ -5,6 +5,11 @@ from a generator that carries state across steps. So the same request gives the
 same tokens whatever batch it rides in, and a request that migrates to another
 worker mid-stream continues exactly as it would have.
 
+The rows that sample are handled as one batch: temperature, top-k, softmax, top-p
+and the inverse-CDF draw run once over [rows, vocab] (row by row, with an exponential
+race, a 16-row step at a 49k vocabulary cost 24 ms more than greedy); only the one
+uniform number of a seeded row is drawn alone, from that row's own generator.
+
 Generators live on the device of the logits they draw noise for: a CPU generator
 cannot fill a CUDA tensor, and would crash every sampled request on a GPU worker.
 """
@@ -37,37 +42,96 @@ class Sampler:
     ) -> list[int]:
         """logits [N, vocab] float32 -> one token id per row."""
         tokens = logits.argmax(dim=-1).tolist()
-        for row, (p, index) in enumerate(zip(params, output_indices, strict=True)):
-            if not p.greedy:
-                tokens[row] = self._sample_row(logits[row], p, index)
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if rows:
+            picked = self._sample_rows(
+                logits[rows], [params[i] for i in rows], [output_indices[i] for i in rows]
+            )
+            for row, token in zip(rows, picked, strict=True):
+                tokens[row] = token
         return tokens
 
-    def _sample_row(self, logits: torch.Tensor, p: SamplingParams, output_index: int) -> int:
-        logits = logits / p.temperature
-        if p.top_k and p.top_k < logits.shape[-1]:
-            kth = torch.topk(logits, p.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        if p.top_p < 1.0:
-            probs = _top_p_filter(probs, p.top_p)
-        generator = self._generator(probs.device, p.seed, output_index)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p in one pass.
-        noise = torch.empty_like(probs).exponential_(generator=generator)
-        return int((probs / noise).argmax())
+    def _sample_rows(
+        self, logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int]
+    ) -> list[int]:
+        device = logits.device
+        temperature = torch.tensor([p.temperature for p in params], device=device)
+        probs = torch.softmax(logits / temperature[:, None], dim=-1)
+        uniform = self._uniforms(params, output_indices, device)
+        vocab = probs.shape[-1]
+        truncated = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
+        plain = [i for i in range(len(params)) if i not in set(truncated)]
+        picked = torch.empty(len(params), dtype=torch.long, device=device)
+        if plain:
+            picked[plain] = _draw(probs[plain], uniform[plain])
+        if truncated:
+            picked[truncated] = _draw_truncated(
+                probs[truncated],
+                [params[i].top_k for i in truncated],
+                [params[i].top_p for i in truncated],
+                uniform[truncated],
+            )
+        return picked.tolist()
 
-    def _generator(self, device: torch.device, seed: int | None, index: int) -> torch.Generator:
-        if seed is not None:
-            return torch.Generator(device=device).manual_seed(step_seed(seed, index))
+    def _uniforms(
+        self, params: list[SamplingParams], output_indices: list[int], device: torch.device
+    ) -> torch.Tensor:
+        """One uniform number per row: from the row's own (seed, position) generator when
+        seeded, else one batched draw from this device's self-seeded generator."""
+        uniform = torch.empty(len(params), device=device)
+        unseeded = [i for i, p in enumerate(params) if p.seed is None]
+        if unseeded:
+            draw = torch.rand(len(unseeded), device=device, generator=self._unseeded(device))
+            uniform[unseeded] = draw
+        for i, (p, index) in enumerate(zip(params, output_indices, strict=True)):
+            if p.seed is not None:
+                generator = torch.Generator(device=device).manual_seed(step_seed(p.seed, index))
+                uniform[i] = torch.rand(1, device=device, generator=generator)[0]
+        return uniform
+
+    def _unseeded(self, device: torch.device) -> torch.Generator:
         if device not in self.unseeded:
             self.unseeded[device] = torch.Generator(device=device)
             self.unseeded[device].seed()
         return self.unseeded[device]
 
 
-def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    sorted_probs, order = probs.sort(descending=True)
-    cumulative = sorted_probs.cumsum(-1)
-    # Keep the smallest prefix whose mass reaches top_p (always at least one token).
-    drop_sorted = cumulative - sorted_probs >= top_p
-    drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-    return probs.masked_fill(drop, 0.0)
+def _draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF: the first token whose running mass reaches (1 - u) x total. One
+    uniform number per row (an exponential race, argmax(p / E), needs a log per
+    vocabulary entry: 16 rows x 49k took 20 ms of a decode step). 1 - u lies in
+    (0, 1], so a zero-probability token is never picked."""
+    cdf = probs.cumsum(dim=-1)
+    target = (1.0 - uniform) * cdf[:, -1]
+    picked = torch.searchsorted(cdf, target[:, None]).squeeze(-1)
+    return picked.clamp(max=probs.shape[-1] - 1)
+
+
+_CANDIDATES = 1024
+"""Tokens a top-k / top-p row is first cut to (its largest probabilities); the whole
+vocabulary is sorted only when a row's nucleus does not fit in them."""
+
+
+def _draw_truncated(
+    probs: torch.Tensor, top_k: list[int], top_p: list[float], uniform: torch.Tensor
+) -> torch.Tensor:
+    """Top-k, then top-p over the renormalized top-k (the smallest prefix whose mass
+    reaches top_p, at least one token), then the draw, on the largest probabilities."""
+    vocab = probs.shape[-1]
+    ks = torch.tensor([k if 0 < k < vocab else 0 for k in top_k], device=probs.device)
+    ps = torch.tensor(top_p, device=probs.device)
+    every_row_top_k = bool((ks > 0).all())
+    width = min(vocab, int(ks.max()) if every_row_top_k else max(int(ks.max()), _CANDIDATES))
+    while True:
+        values, ids = probs.topk(width, dim=-1)
+        in_k = torch.arange(width, device=probs.device)[None, :] < ks[:, None]
+        values = torch.where((ks[:, None] == 0) | in_k, values, torch.zeros_like(values))
+        cumulative = values.cumsum(dim=-1)
+        mass = torch.where(ks > 0, cumulative[:, -1], torch.ones_like(ps))
+        covered = (ks > 0) | (cumulative[:, -1] >= ps)
+        if width == vocab or bool(covered.all()):
+            break
+        width = vocab  # a nucleus wider than the candidates: sort everything once
+    drop = cumulative - values >= (ps * mass)[:, None]
+    values = values.masked_fill(drop, 0.0)
+    return ids.gather(-1, _draw(values, uniform)[:, None]).squeeze(-1)

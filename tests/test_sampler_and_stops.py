@@ -69,6 +69,28 @@ def test_sampling_follows_the_distribution():
     assert abs(counts[0] / 4000 - 0.5) < 0.04 and abs(counts[1] / 4000 - 0.3) < 0.04
 
 
+def test_top_p_applies_to_the_renormalized_top_k():
+    probs = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
+    logits = probs.log().expand(4000, 5).contiguous()
+    params = [SamplingParams(temperature=1.0, top_k=3, top_p=0.8, seed=i) for i in range(4000)]
+    counts = torch.bincount(torch.tensor(Sampler().sample(logits, params, [0] * 4000)), minlength=5)
+    # top 3 renormalized: 0.47, 0.35, 0.18; the 0.8 nucleus of that is the first two.
+    assert counts[2:].sum() == 0
+    assert abs(counts[0] / 4000 - 0.4 / 0.7) < 0.04
+
+
+def test_a_nucleus_wider_than_the_candidate_cut_stays_exact():
+    vocab = 3000
+    # A slow decay: the 0.9 nucleus needs ~2000 tokens, past the 1024-token cut.
+    logits = (-torch.arange(vocab, dtype=torch.float32) / 1000).expand(64, vocab).contiguous()
+    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=i) for i in range(64)]
+    picked = Sampler().sample(logits, params, [0] * 64)
+    weights = logits[0].exp() / logits[0].exp().sum()
+    nucleus = int((weights.cumsum(0) - weights < 0.9).sum())  # already in descending order
+    assert nucleus > 1024
+    assert max(picked) < nucleus and max(picked) > 1024 // 2
+
+
 def test_max_tokens_stop_token_and_eos(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir)
     prompt = prompt_of(9)
