@@ -2,14 +2,18 @@
 
 Phases:
   1. reference: each distinct prompt once, greedy, with no faults -> expected text;
-  2. load: N streaming requests at concurrency C while worker processes are killed
-     (by PID, with SIGKILL or SIGTERM) at the chosen times; when the N requests finish
-     before the last kill (a fast model), the load goes on in rounds of C more requests
-     until every kill has landed under load;
-  3. verdict: per request completed / recovered / failed; streams compared with their
-     reference (duplicated or missing text is counted); extra latency of requests that
-     went through a recovery; time until every worker was alive again; KV blocks still
-     held on each worker once the load is over.
+  2. load: streaming requests while worker processes are killed (SIGKILL or SIGTERM)
+     at the chosen times. Each victim is the worker of the asked role holding the most
+     requests right then; a kill with no loaded victim is a miss, never a kill. When
+     the requests finish before the last kill, the load goes on in rounds until every
+     kill has been tried. With `--duration` the load is a steady open loop instead, for
+     as long as asked, with a kill every `--every` seconds (a soak, bench/soak.py);
+  3. verdict (bench/drill_report.py): requests completed / recovered / failed /
+     refused; streams compared with their reference; extra latency and stream resume
+     gaps of affected requests; per kill the time to detect, to full strength and to
+     restart; how each recovery got the KV back; KV blocks and leases left over.
+`--kill frontend-driver` instead kills the `pdserve serve` process itself and reports
+what a driver death does (see docs/operations.md).
 """
 
 from __future__ import annotations
@@ -18,58 +22,18 @@ import asyncio
 import json
 import os
 import random
+import re
 import signal
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, replace
 
-from bench.loadgen import (
-    LoadSpec,
-    RequestRecord,
-    get_json,
-    percentile,
-    run_load,
-    served_model_id,
-)
+from bench.drill_report import DrillReport, KillEvent, format_report, verdict
+from bench.loadgen import LoadSpec, get_json, run_load, served_model_id
 
 _SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM}
-
-
-@dataclass
-class KillEvent:
-    at_s: float
-    worker_id: str
-    role: str
-    pid: int
-    recovered_after_s: float | None = None
-
-
-@dataclass
-class DrillReport:
-    requests: int
-    completed: int
-    recovered: int
-    failed: int
-    exact: int
-    duplicated_text: int
-    missing_text: int
-    diverged: int
-    extra_latency_p50_s: float | None
-    extra_latency_p99_s: float | None
-    kills: list[KillEvent] = field(default_factory=list)
-    kills_planned: int = 0
-    full_strength_after_s: float | None = None
-    leaked_blocks: dict[str, int] = field(default_factory=dict)
-    leaked_leases: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def passed(self) -> bool:
-        return (
-            self.failed == 0
-            and len(self.kills) == self.kills_planned
-            and self.exact == self.requests
-            and not any(self.leaked_blocks.values())
-            and not any(self.leaked_leases.values())
-        )
+_POLL_S = 0.05
+_HIT_WAIT_S = 5.0
+"""How long a kill waits for a worker of its role to hold a request before it misses."""
 
 
 class Admin:
@@ -123,88 +87,143 @@ async def run_drill(args) -> DrillReport:
         api_key=args.api_key,
     )
     reference = {r.prompt: r for r in await run_load(spec) if r.ok}
-    load = LoadSpec(**{**asdict(spec), "prompts": prompts})
     kills: list[KillEvent] = []
     watchers: list[asyncio.Task] = []
-    killer = asyncio.create_task(_kill_schedule(admin, args, kills, watchers))
-    records = await run_load(load)
-    while not killer.done():
-        extra_round = LoadSpec(**{**asdict(spec), "prompts": prompts[: args.concurrency]})
-        records += await run_load(extra_round)
-    await killer  # surfaces an error of the kill schedule (e.g. /admin unreachable)
-    full_strength = await _wait_full_strength(admin, kills, timeout_s=args.recovery_timeout)
-    for watcher in watchers:
-        watcher.cancel()
+    soak_summary = {}
+    if args.duration:
+        from bench.soak import run_soak
+
+        records, soak_summary = await run_soak(admin, spec, args, kills, watchers)
+    else:
+        records = await _load_with_kills(
+            admin, replace(spec, prompts=prompts), args, kills, watchers
+        )
+    await _settle(kills, watchers, args.recovery_timeout)
     blocks, leases = await _leaks(admin, timeout_s=args.recovery_timeout)
-    report = _verdict(records, reference, kills, full_strength, blocks, leases)
+    report = verdict(records, reference, kills, blocks, leases)
     report.kills_planned = len(kill_times(args))
+    report.soak = soak_summary
     return report
 
 
-async def _kill_schedule(
-    admin: Admin, args, kills: list[KillEvent], watchers: list[asyncio.Task]
-) -> None:
-    start = time.monotonic()
-    for when in kill_times(args):
-        await asyncio.sleep(max(0.0, start + when - time.monotonic()))
-        victim = await _next_victim(admin, args.kill, args.recovery_timeout)
-        if victim is None:
-            continue
-        os.kill(victim["pid"], _SIGNALS[args.signal])
-        kills.append(
-            KillEvent(time.monotonic() - start, victim["worker_id"], victim["role"], victim["pid"])
-        )
-        watchers.append(asyncio.create_task(_time_recovery(admin, kills[-1], time.monotonic())))
+async def _load_with_kills(admin, load: LoadSpec, args, kills, watchers):
+    start = time.perf_counter()
+    killer = asyncio.create_task(
+        kill_schedule(admin, args, kill_times(args), start, kills, watchers)
+    )
+    records = await run_load(load)
+    while not killer.done():
+        records += await run_load(replace(load, prompts=load.prompts[: args.concurrency]))
+    await killer  # surfaces an error of the kill schedule (e.g. /admin unreachable)
+    return records
 
 
 def kill_times(args) -> list[float]:
-    """Seconds into the load at which to kill, from --at or --every/--count."""
+    """Seconds into the load at which to kill: --at, --every x --count, or every
+    --every seconds of a --duration soak (the last one leaves time to heal)."""
+    if args.duration:
+        duration = parse_duration(args.duration)
+        every = args.every
+        return [
+            k * every
+            for k in range(1, int(duration / every) + 1)
+            if k * every < duration - every / 2
+        ]
     times = [args.at] if args.at is not None else [args.every * (i + 1) for i in range(args.count)]
     return times[: args.count]
 
 
-async def _next_victim(admin: Admin, role: str, timeout_s: float) -> dict | None:
-    """A live worker of `role`; waits for one to come back when all of them are down."""
-    deadline = time.monotonic() + timeout_s
-    while (victim := _choose_victim(await admin.workers(), role)) is None:
-        if time.monotonic() > deadline:
-            return None
-        await asyncio.sleep(0.2)
-    return victim
+def parse_duration(text: str) -> float:
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([smh]?)", str(text).strip())
+    if not match:
+        raise ValueError(f"duration {text!r}: use e.g. 90s, 30m or 2h")
+    return float(match[1]) * {"": 1, "s": 1, "m": 60, "h": 3600}[match[2]]
 
 
-def _choose_victim(workers: list[dict], role: str) -> dict | None:
-    alive = [w for w in workers if w["alive"] and w.get("pid")]
-    if role != "random":
-        alive = [w for w in alive if w["role"] == role]
-    return random.choice(alive) if alive else None
+async def kill_schedule(admin, args, times, start, kills, watchers) -> None:
+    for when in times:
+        await asyncio.sleep(max(0.0, start + when - time.perf_counter()))
+        kill = await strike(admin, args.kill, _SIGNALS[args.signal], start)
+        kills.append(kill)
+        if kill.hit:
+            watchers.append(asyncio.create_task(_watch_kill(admin, kill)))
 
 
-async def _time_recovery(admin: Admin, kill: KillEvent, killed_at: float) -> None:
-    """Time from the kill until the same worker is alive again (with a new process)."""
+async def strike(admin: Admin, role: str, sig: int, start: float) -> KillEvent:
+    """Kill the worker of `role` (or of any role, `random`) that holds the most requests;
+    a miss when none holds one within `_HIT_WAIT_S`."""
+    deadline = time.monotonic() + _HIT_WAIT_S
     while True:
-        await asyncio.sleep(0.2)
-        for worker in await admin.workers():
-            if (
-                worker["worker_id"] == kill.worker_id
-                and worker["alive"]
-                and worker.get("pid") != kill.pid
-            ):
-                kill.recovered_after_s = time.monotonic() - killed_at
-                return
+        workers = await admin.workers()
+        victim = choose_victim(workers, role)
+        if victim is not None:
+            break
+        if time.monotonic() > deadline:
+            return KillEvent(time.perf_counter() - start, "-", role, None, 0)
+        await asyncio.sleep(_POLL_S)
+    os.kill(victim["pid"], sig)
+    killed_at = time.perf_counter()
+    kill = KillEvent(
+        killed_at - start, victim["worker_id"], victim["role"], victim["pid"], held(victim)
+    )
+    kill.killed_at = killed_at
+    kill.strength_before = _routed(workers, victim["role"])
+    return kill
 
 
-async def _wait_full_strength(
-    admin: Admin, kills: list[KillEvent], timeout_s: float
-) -> float | None:
-    if not kills:
-        return 0.0
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if all(k.recovered_after_s is not None for k in kills):
-            return max(k.at_s + k.recovered_after_s for k in kills) - min(k.at_s for k in kills)
-        await asyncio.sleep(0.2)
-    return None
+def held(worker: dict) -> int:
+    """Requests a worker holds something for: a sequence, or an export's lease."""
+    return len(worker.get("requests") or {}) + len(worker.get("leases") or [])
+
+
+def choose_victim(workers: list[dict], role: str) -> dict | None:
+    """The most loaded live worker of `role`; for `random`, of a role drawn at random
+    among those with a loaded worker (so kills spread over the roles)."""
+    loaded = [
+        w for w in workers if w["alive"] and not w.get("standby") and w.get("pid") and held(w) > 0
+    ]
+    roles = sorted({w["role"] for w in loaded})
+    if role != "random":
+        roles = [r for r in roles if r == role]
+    if not roles:
+        return None
+    chosen = random.choice(roles)
+    candidates = [w for w in loaded if w["role"] == chosen]
+    most = max(held(w) for w in candidates)
+    return random.choice([w for w in candidates if held(w) == most])
+
+
+def _routed(workers: list[dict], role: str) -> int:
+    return sum(1 for w in workers if w["role"] == role and w["alive"] and not w.get("standby"))
+
+
+async def _watch_kill(admin: Admin, kill: KillEvent) -> None:
+    """Time from the kill until it is noticed, the role is at strength again (a spare
+    or the restart), and the victim itself is back as a new process."""
+    while kill.recovered_after_s is None or kill.full_strength_after_s is None:
+        await asyncio.sleep(_POLL_S)
+        workers = await admin.workers()
+        elapsed = time.perf_counter() - kill.killed_at
+        me = next(w for w in workers if w["worker_id"] == kill.worker_id)
+        if kill.detected_after_s is None and not me["alive"]:
+            kill.detected_after_s = max(0.0, elapsed - (me.get("dead_for_s") or 0.0))
+        back = me["alive"] and me.get("pid") != kill.pid
+        if kill.detected_after_s is None and back:
+            kill.detected_after_s = elapsed  # died and came back between two looks
+        noticed = kill.detected_after_s is not None
+        at_strength = _routed(workers, kill.role) >= kill.strength_before
+        if kill.full_strength_after_s is None and noticed and at_strength:
+            kill.full_strength_after_s = elapsed
+        if kill.recovered_after_s is None and back:
+            kill.recovered_after_s = elapsed
+
+
+async def _settle(kills: list[KillEvent], watchers: list[asyncio.Task], timeout_s: float):
+    """Let every kill's watcher see the cluster heal (bounded), then stop them."""
+    if watchers:
+        await asyncio.wait(watchers, timeout=timeout_s)
+    for watcher in watchers:
+        watcher.cancel()
 
 
 async def _leaks(admin: Admin, timeout_s: float) -> tuple[dict[str, int], dict[str, int]]:
@@ -223,96 +242,81 @@ async def _leaks(admin: Admin, timeout_s: float) -> tuple[dict[str, int], dict[s
         await asyncio.sleep(0.2)
 
 
-def _verdict(
-    records: list[RequestRecord], reference: dict[str, str], kills, full_strength, blocks, leases
-) -> DrillReport:
-    done = [r for r in records if r.ok]
-    affected = [r for r in done if r.server_timings.get("recoveries")]
-    # Extra latency: each affected request against the same prompt's uninterrupted run
-    # at the same concurrency (the reference pass), not against other prompts.
-    extra = [r.e2e_s - reference[r.prompt].e2e_s for r in affected if r.prompt in reference]
-    expected = {prompt: ref.text for prompt, ref in reference.items()}
-    exact = sum(1 for r in done if r.text == expected.get(r.prompt))
-    wrong = [r for r in done if r.text != expected.get(r.prompt)]
-    return DrillReport(
-        requests=len(records),
-        completed=len(done),
-        recovered=len(affected),
-        failed=len(records) - len(done),
-        exact=exact,
-        duplicated_text=sum(1 for r in wrong if len(r.text) > len(expected.get(r.prompt, ""))),
-        missing_text=sum(1 for r in wrong if len(r.text) < len(expected.get(r.prompt, ""))),
-        diverged=sum(1 for r in wrong if len(r.text) == len(expected.get(r.prompt, ""))),
-        extra_latency_p50_s=percentile(extra, 50),
-        extra_latency_p99_s=percentile(extra, 99),
-        kills=kills,
-        full_strength_after_s=full_strength,
-        leaked_blocks=blocks,
-        leaked_leases=leases,
-    )
-
-
-def format_report(report: DrillReport) -> str:
-    def fmt(value):
-        return "-" if value is None else f"{value:.2f}"
-
-    lines = [
-        f"{'requests':<36}{report.requests}",
-        f"{'completed':<36}{report.completed}",
-        f"{'recovered (went through a fault)':<36}{report.recovered}",
-        f"{'failed':<36}{report.failed}",
-        f"{'exact text vs reference':<36}{report.exact}/{report.requests}",
-        f"{'duplicated / missing / diverged':<36}{report.duplicated_text} / {report.missing_text} / {report.diverged}",
-        f"{'extra latency p50 / p99 (s)':<36}{fmt(report.extra_latency_p50_s)} / {fmt(report.extra_latency_p99_s)}",
-        f"{'full strength again after (s)':<36}{fmt(report.full_strength_after_s)}",
-        f"{'kills done / planned':<36}{len(report.kills)} / {report.kills_planned}",
-    ]
-    for kill in report.kills:
-        lines.append(
-            f"  killed {kill.worker_id} (pid {kill.pid}) at {kill.at_s:.2f}s, "
-            f"back after {fmt(kill.recovered_after_s)}s"
-        )
-    leaks = {w: n for w, n in report.leaked_blocks.items() if n}
-    lines.append(f"{'leaked KV blocks':<36}{leaks or 0}")
-    lines.append(
-        f"{'leaked leases':<36}{({w: n for w, n in report.leaked_leases.items() if n}) or 0}"
-    )
-    lines.append("PASS" if report.passed else "FAIL")
-    return "\n".join(lines)
-
-
 def add_drill_parser(sub) -> None:
     parser = sub.add_parser(
         "drill",
         help="kill workers of a running cluster under load and verify nothing is lost",
-        description="Run a streaming load against a running pdserve, kill worker processes at the "
-        "chosen times, and report completed/recovered/failed requests, duplicated or missing text "
-        "(each stream is compared with its greedy reference), extra latency of affected requests, "
-        "time to full strength, and KV blocks leaked per worker. Exit code 1 when anything was lost.",
+        description="Run a streaming load against a running pdserve, kill the most loaded worker "
+        "of the chosen role at the chosen times, and report completed/recovered/failed/refused "
+        "requests, duplicated or missing text (each stream is compared with its greedy "
+        "reference), extra latency and resume gaps of affected streams, per kill the time to "
+        "detect, to full strength and to restart, the recovery path of each affected request, "
+        "and KV blocks and leases left per worker. With --duration it soaks: a steady load for "
+        "that long with a kill every --every seconds, checking throughput and memory too. "
+        "Exit code 1 when anything was lost or a kill missed.",
     )
-    parser.add_argument("--url", default="http://127.0.0.1:8000")
-    parser.add_argument("--kill", choices=["prefill", "decode", "random"], default="random")
-    parser.add_argument("--count", type=int, default=1, help="number of kills")
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the pdserve server")
+    parser.add_argument(
+        "--kill",
+        choices=["prefill", "decode", "random", "frontend-driver"],
+        default="random",
+        help="role of the victims (random: any role); frontend-driver kills `pdserve serve`",
+    )
+    parser.add_argument(
+        "--count", type=int, default=1, help="number of kills (not with --duration)"
+    )
     when = parser.add_mutually_exclusive_group()
     when.add_argument(
         "--at", type=float, default=None, help="kill once, this many seconds into the load"
     )
     when.add_argument("--every", type=float, default=2.0, help="kill every this many seconds")
-    parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--signal", choices=sorted(_SIGNALS), default="kill")
+    parser.add_argument(
+        "--duration",
+        default=None,
+        help="soak for this long (e.g. 90s, 30m): steady load, kills --every S",
+    )
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="soak: requests per second (default: 2 x concurrency / expected request time)",
+    )
+    parser.add_argument("--concurrency", type=int, default=8, help="requests in flight at most")
+    parser.add_argument(
+        "--requests", type=int, default=32, help="requests of the load (not with --duration)"
+    )
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per request")
+    parser.add_argument(
+        "--signal", choices=sorted(_SIGNALS), default="kill", help="kill: SIGKILL, term: SIGTERM"
+    )
     parser.add_argument("--model", default=None, help="model id (default: the server's)")
-    parser.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))
-    parser.add_argument("--recovery-timeout", type=float, default=60.0)
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("PDSERVE_API_KEY"),
+        help="bearer key (or PDSERVE_API_KEY)",
+    )
+    parser.add_argument(
+        "--recovery-timeout",
+        type=float,
+        default=60.0,
+        help="how long to wait for the cluster to heal and for leftovers to clear",
+    )
+    parser.add_argument(
+        "--plot", default="drill-soak.png", help="soak: throughput and TTFT over time, kills marked"
+    )
     parser.add_argument("--json", default=None, help="write the report as JSON to this file")
     parser.set_defaults(func=_run_drill_cli)
 
 
 def _run_drill_cli(args) -> int:
+    if args.kill == "frontend-driver":
+        from bench.driver_kill import run_driver_kill
+
+        return run_driver_kill(args)
     report = asyncio.run(run_drill(args))
     print(format_report(report))
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({**asdict(report), "passed": report.passed}, handle, indent=2)
+            body = {**asdict(report), "passed": report.passed, "kills_hit": report.kills_hit}
+            json.dump(body, handle, indent=2)
     return 0 if report.passed else 1

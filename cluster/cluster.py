@@ -61,9 +61,11 @@ class PDCluster:
         self.controller = Controller(config)
         self.router = Router(config.router_policy, self.controller.workers)
         self.flow = RequestFlow(config, self.router, self.controller.mark_dead)
-        self.on_finish: list[Callable[[ClusterRequest], None]] = []
-        """Observers (metrics), called once per request however it ended (finished,
-        failed, cancelled, timed out), with the closed request."""
+        self.on_finish: list[Callable[[ClusterRequest], None]] = [
+            lambda req: self.flow.costs.observe(req.timeline)
+        ]
+        """Observers (metrics, the recovery cost model), called once per request however
+        it ended (finished, failed, cancelled, timed out), with the closed request."""
         self._ids = itertools.count()
 
     async def start(self) -> PDCluster:

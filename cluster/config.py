@@ -73,7 +73,13 @@ class ClusterConfig(ModelSettings):
     max_restarts: int = 3
     """Times the controller restarts one worker after it dies (0 disables restarts)."""
     restart_backoff_s: float = 1.0
-    """Wait before a restart; doubles with each failed attempt."""
+    """Wait before a second restart attempt; doubles with each failed attempt (the first
+    attempt starts at once)."""
+    restart_budget_reset_s: float = 300.0
+    """A worker healthy this long after a restart gets its `max_restarts` budget back."""
+    standby_workers: int = 0
+    """Warm spares per role: started and ready but not routed to; one takes a dead
+    worker's place at once, and the dead one comes back as the new spare."""
     recovery_timeout_s: float = 30.0
     """How long a request waits for a live worker of a role before failing with 503."""
     cluster_token: str | None = None
@@ -93,8 +99,8 @@ class ClusterConfig(ModelSettings):
             raise ConfigError("threads_per_worker must be >= 1")
         if self.gpus_per_worker < 0:
             raise ConfigError("gpus_per_worker must be >= 0")
-        if self.max_restarts < 0 or self.restart_backoff_s < 0:
-            raise ConfigError("max_restarts and restart_backoff_s must be >= 0")
+        if self.max_restarts < 0 or self.restart_backoff_s < 0 or self.standby_workers < 0:
+            raise ConfigError("max_restarts, restart_backoff_s and standby_workers must be >= 0")
         for name in (
             "health_interval_s",
             "health_timeout_s",
@@ -102,6 +108,7 @@ class ClusterConfig(ModelSettings):
             "transfer_timeout_s",
             "lease_ttl_s",
             "recovery_timeout_s",
+            "restart_budget_reset_s",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")

@@ -5,12 +5,19 @@ Placement: each node advertises a custom resource per pool (`prefill_pool`,
 GPU pools), so it can only land on a node of that pool. The embedded local cluster
 advertises both pools. Workers are named actors in the `pdserve` namespace.
 
-Watching: every `health_interval_s` the controller calls `check_health` on every
-worker and waits at most `health_timeout_s`; an error or a timeout marks the worker
-dead at once, so the router stops picking it. The request flow marks a worker dead
-too when a call to it fails. A dead worker is killed for good and started again
-(up to `max_restarts` times, with exponential backoff); the router takes it back
-when the new actor's first health call succeeds.
+Watching, three ways, whichever notices first:
+  * a death watch: one call per worker that only returns when the actor stops, so
+    Ray's notice that its process died arrives within milliseconds;
+  * every `health_interval_s` a `check_health` call, waiting at most
+    `health_timeout_s` (a hung worker);
+  * the request flow, when a call to a worker fails.
+Each names the actor generation it saw fail; a failure of an older generation than
+the worker's current one is stale and ignored. A dead worker stops being routed to
+at once; a standby spare of its role (`standby_workers`) takes its place at once, and
+the dead one is killed for good and started again (first attempt at once, then with
+exponential backoff, up to `max_restarts` times; the budget comes back after
+`restart_budget_reset_s` of health). A restarted worker is routed to again when its
+first health call succeeds, or becomes the role's spare if the role is at strength.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 
 import ray
 
@@ -42,7 +50,7 @@ class Controller:
         self.started_ray = False
         self.watch_task: asyncio.Task | None = None
         self.restart_tasks: dict[str, asyncio.Task] = {}
-        self.generations: dict[str, int] = {}
+        self.death_watches: dict[str, asyncio.Task] = {}
 
     # --- start / stop ---------------------------------------------------------------
 
@@ -68,47 +76,64 @@ class Controller:
 
     async def start(self) -> None:
         self.init_ray()
-        for role, index in self._planned_workers():
+        for role, index, standby in self._planned_workers():
             worker_id = f"{role}-{index}"
-            self.workers[worker_id] = WorkerInfo(worker_id, role, self._spawn(worker_id, role))
+            worker = WorkerInfo(worker_id, role, handle=None, standby=standby)
+            worker.handle = self._spawn(worker)
+            self.workers[worker_id] = worker
         await asyncio.gather(*(self._first_health(w) for w in self.workers.values()))
         self.watch_task = asyncio.get_running_loop().create_task(self._watch())
 
-    def _planned_workers(self) -> list[tuple[str, int]]:
-        """(role, index within role) of every worker to start."""
+    def _planned_workers(self) -> list[tuple[str, int, bool]]:
+        """(role, index within role, standby) of every worker to start."""
+        spares = self.config.standby_workers
         if self.config.mode == "colocated":
-            return [("colocated", i) for i in range(self.config.decode_workers)]
-        return [("prefill", i) for i in range(self.config.prefill_workers)] + [
-            ("decode", i) for i in range(self.config.decode_workers)
-        ]
+            roles = [("colocated", self.config.decode_workers)]
+        else:
+            roles = [
+                ("prefill", self.config.prefill_workers),
+                ("decode", self.config.decode_workers),
+            ]
+        return [(role, i, i >= active) for role, active in roles for i in range(active + spares)]
 
-    def _spawn(self, worker_id: str, role: str):
+    def _target(self, role: str) -> int:
+        """Workers of `role` that take requests at full strength."""
+        if role == "prefill":
+            return self.config.prefill_workers
+        return self.config.decode_workers
+
+    def _spawn(self, worker: WorkerInfo):
+        """Start the next generation of `worker`'s actor; returns its handle."""
         threads = str(self.config.threads_per_worker)
-        # A restarted worker gets a fresh name: the dead actor's name is released lazily.
-        generation = self.generations.get(worker_id, 0)
-        self.generations[worker_id] = generation + 1
+        worker.generation += 1
         options = dict(
-            name=f"pdserve-{worker_id}-g{generation}",
+            # A restarted worker gets a fresh name: the dead actor's name is released lazily.
+            name=f"pdserve-{worker.worker_id}-g{worker.generation - 1}",
             namespace=self.config.namespace,
-            resources={POOL_RESOURCES[role]: 1},
+            resources={POOL_RESOURCES[worker.role]: 1},
             num_cpus=0,
             num_gpus=self.config.gpus_per_worker,
             max_concurrency=1000,
             # Keep BLAS/OpenMP pools at the configured size: workers share the cores.
             runtime_env={"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}},
         )
-        spec = self.config.worker_spec(worker_id, role)
-        actor = PrefillWorker if role == "prefill" else DecodeWorker
+        spec = self.config.worker_spec(worker.worker_id, worker.role)
+        actor = PrefillWorker if worker.role == "prefill" else DecodeWorker
         return ray.remote(actor).options(**options).remote(spec)
 
-    async def _first_health(self, worker: WorkerInfo) -> None:
+    async def _first_health(self, worker: WorkerInfo, restarted: bool = False) -> None:
         worker.load = await worker.handle.check_health.remote()
+        if restarted:  # a spare, unless its role is short of workers right now
+            worker.standby = self._at_strength(worker.role)
+        worker.alive, worker.dead_since = True, None
+        worker.alive_since = time.monotonic()
+        self._watch_death(worker)
         logger.info("worker %s ready (pid %s)", worker.worker_id, worker.load.pid)
 
     async def shutdown(self) -> None:
         if self.watch_task is not None:
             self.watch_task.cancel()
-        for task in self.restart_tasks.values():
+        for task in [*self.restart_tasks.values(), *self.death_watches.values()]:
             task.cancel()
         for worker in self.workers.values():
             # A dead or stuck worker is killed below either way.
@@ -122,59 +147,122 @@ class Controller:
 
     # --- watching ---------------------------------------------------------------------
 
+    def _watch_death(self, worker: WorkerInfo) -> None:
+        generation, handle = worker.generation, worker.handle
+
+        async def watch() -> None:
+            try:
+                await handle.wait_until_stopped.remote()
+            except Exception as exc:  # the actor is gone (or unreachable)
+                self.mark_dead(worker, f"death watch: {exc!r}", generation)
+
+        previous = self.death_watches.pop(worker.worker_id, None)
+        if previous is not None:
+            previous.cancel()
+        self.death_watches[worker.worker_id] = asyncio.get_running_loop().create_task(watch())
+
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(self.config.health_interval_s)
             await asyncio.gather(*(self.probe(w) for w in list(self.workers.values()) if w.alive))
+            for role in {w.role for w in self.workers.values()}:
+                if not self._at_strength(role):
+                    self._promote_spare(role)
 
     async def probe(self, worker: WorkerInfo) -> bool:
         """One health call; marks the worker dead on error or timeout."""
+        generation = worker.generation
         try:
             worker.load = await asyncio.wait_for(
                 worker.handle.check_health.remote(), timeout=self.config.health_timeout_s
             )
-            return True
         except Exception as exc:  # any failed health call means unhealthy
-            self.mark_dead(worker, repr(exc))
+            self.mark_dead(worker, repr(exc), generation)
             return False
+        healthy_for = time.monotonic() - worker.alive_since
+        if worker.recent_restarts and healthy_for > self.config.restart_budget_reset_s:
+            logger.info(
+                "worker %s healthy for %.0f s: restart budget restored",
+                worker.worker_id,
+                healthy_for,
+            )
+            worker.recent_restarts = 0
+        return True
 
-    def mark_dead(self, worker: WorkerInfo, why: str) -> None:
-        """Stop routing to `worker` at once and schedule its restart."""
+    def mark_dead(self, worker: WorkerInfo, why: str, generation: int | None = None) -> None:
+        """Stop routing to `worker` at once, put a spare in its place, schedule its restart.
+        `generation` is the actor incarnation the failure was seen on; an older one than
+        the worker's current generation is a stale report and changes nothing."""
+        if generation is not None and generation != worker.generation:
+            logger.info("stale failure of %s generation %d ignored", worker.worker_id, generation)
+            return
         if worker.alive:
             logger.warning("worker %s marked dead: %s", worker.worker_id, why)
+            worker.dead_since = time.monotonic()
+            if not worker.standby:
+                self._promote_spare(worker.role)
         worker.alive = False
+        worker.standby = False
         pending = self.restart_tasks.get(worker.worker_id)
         if (pending is None or pending.done()) and worker.worker_id in self.workers:
             task = asyncio.get_running_loop().create_task(self._restart(worker))
             self.restart_tasks[worker.worker_id] = task
 
+    def _promote_spare(self, role: str) -> None:
+        spare = next(
+            (w for w in self.workers.values() if w.role == role and w.alive and w.standby), None
+        )
+        if spare is not None:
+            spare.standby = False
+            logger.info("standby %s takes over for a dead %s worker", spare.worker_id, role)
+
     async def _restart(self, worker: WorkerInfo) -> None:
-        backoff = self.config.restart_backoff_s
-        while worker.restarts < self.config.max_restarts:
+        backoff = 0.0
+        while worker.recent_restarts < self.config.max_restarts:
             await asyncio.sleep(backoff)
-            backoff *= 2
+            backoff = backoff * 2 if backoff else self.config.restart_backoff_s
             with contextlib.suppress(Exception):
                 ray.kill(worker.handle, no_restart=True)
             worker.restarts += 1
-            worker.handle = self._spawn(worker.worker_id, worker.role)
+            worker.recent_restarts += 1
+            worker.handle = self._spawn(worker)
             try:
                 await asyncio.wait_for(
-                    self._first_health(worker), timeout=self.config.recovery_timeout_s * 4
+                    self._first_health(worker, restarted=True),
+                    timeout=self.config.recovery_timeout_s * 4,
                 )
             except Exception as exc:
                 logger.warning(
-                    "restart %d of %s failed: %r", worker.restarts, worker.worker_id, exc
+                    "restart %d of %s failed: %r", worker.recent_restarts, worker.worker_id, exc
                 )
                 continue
-            worker.alive = True
             logger.info(
-                "worker %s restarted (%d/%d)",
+                "worker %s restarted%s (%d/%d)",
                 worker.worker_id,
-                worker.restarts,
+                " as a standby" if worker.standby else "",
+                worker.recent_restarts,
                 self.config.max_restarts,
             )
             return
-        logger.error("worker %s stays dead: %d restarts used", worker.worker_id, worker.restarts)
+        logger.error(
+            "worker %s stays dead: %d restarts used", worker.worker_id, worker.recent_restarts
+        )
+
+    def _at_strength(self, role: str) -> bool:
+        routed = [w for w in self.workers.values() if w.role == role and w.alive and not w.standby]
+        return len(routed) >= self._target(role)
+
+    async def step_traces(self, last: int) -> dict[str, list[dict]]:
+        """Each live worker's last `last` engine steps (`/admin/steps`)."""
+        live = [w for w in self.workers.values() if w.alive]
+        replies = await asyncio.gather(
+            *(
+                asyncio.wait_for(w.handle.steps.remote(last), self.config.health_timeout_s)
+                for w in live
+            ),
+            return_exceptions=True,
+        )
+        return {w.worker_id: r for w, r in zip(live, replies, strict=True) if isinstance(r, list)}
 
     async def debug_states(self) -> dict[str, dict]:
         """Leak check across the cluster: per live worker, blocks used and leases held."""

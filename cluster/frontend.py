@@ -17,6 +17,7 @@ import contextlib
 import hmac
 import json
 import logging
+import os
 import re
 import time
 import uuid
@@ -93,6 +94,11 @@ def build_app(
         handler.authorize(request)
         return await handler.workers()
 
+    @app.get("/admin/steps")
+    async def admin_steps(request: Request, last: int = 512):
+        handler.authorize(request)
+        return await cluster.controller.step_traces(max(0, min(last, 4096)))
+
     @app.get("/v1/models")
     async def models(request: Request):
         handler.authorize(request)
@@ -166,14 +172,17 @@ class OpenAIHandler:
                     "worker_id": worker.worker_id,
                     "role": worker.role,
                     "alive": worker.alive,
+                    "standby": worker.standby,
+                    "generation": worker.generation,
                     "restarts": worker.restarts,
+                    "dead_for_s": _since(worker.dead_since),
                     "pid": load.pid if load else None,
                     "node_id": load.node_id if load else None,
                     "last_transfer": load.last_transfer if load else {},
                     **states.get(worker.worker_id, {}),
                 }
             )
-        return {"workers": rows}
+        return {"workers": rows, "frontend_pid": os.getpid()}
 
     def authorize(self, request: Request) -> None:
         key = self.settings.api_key
@@ -380,6 +389,10 @@ class OwnedStreamingResponse(StreamingResponse):
             self.on_close()
             with contextlib.suppress(Exception):
                 await self.body_iterator.aclose()
+
+
+def _since(stamp: float | None) -> float | None:
+    return None if stamp is None else time.monotonic() - stamp
 
 
 def _request_id(kind: str, client_tag: str | None) -> str:

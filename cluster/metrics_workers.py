@@ -31,14 +31,20 @@ class WorkerCollector:
     def collect(self):
         families = _Families()
         alive: dict[str, int] = {}
+        standby: dict[str, int] = {}
         for worker in list(self.controller.workers.values()):
-            alive[worker.role] = alive.get(worker.role, 0) + int(worker.alive)
+            routed = worker.alive and not worker.standby
+            alive[worker.role] = alive.get(worker.role, 0) + int(routed)
+            standby[worker.role] = standby.get(worker.role, 0) + int(
+                worker.alive and worker.standby
+            )
             labels = [worker.worker_id, worker.role]
             families.restarts.add_metric(labels, worker.restarts)
             if worker.alive and worker.load:
                 families.add_worker(labels, worker.load)
         for role, count in sorted(alive.items()):
             families.alive.add_metric([role], count)
+            families.standby.add_metric([role], standby[role])
         families.transport.add_metric([str(self.controller.config.transport)], 1)
         yield from families.all()
 
@@ -48,7 +54,10 @@ class _Families:
 
     def __init__(self):
         self.alive = GaugeMetricFamily(
-            "pdserve_workers_alive", "Live workers per role", labels=["role"]
+            "pdserve_workers_alive", "Live workers per role taking requests", labels=["role"]
+        )
+        self.standby = GaugeMetricFamily(
+            "pdserve_workers_standby", "Warm spares per role, ready to take over", labels=["role"]
         )
         self.restarts = CounterMetricFamily(
             "pdserve_worker_restarts", "Times each worker was restarted", labels=WORKER

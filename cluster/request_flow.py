@@ -35,6 +35,7 @@ from collections.abc import AsyncIterator, Callable
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from cluster.config import ClusterConfig
+from cluster.recovery_costs import RecoveryCosts
 from cluster.request import (
     ClusterRequest,
     GenerationChunk,
@@ -42,6 +43,7 @@ from cluster.request import (
     TransferFailedError,
 )
 from cluster.router import Claim, NoLiveWorkerError, Router, WorkerInfo
+from engine.kv_cache import KVLayout
 from engine.worker_messages import (
     DecodeRequest,
     ErrorEvent,
@@ -64,13 +66,16 @@ class RequestFlow:
         self,
         config: ClusterConfig,
         router: Router,
-        on_worker_failure: Callable[[WorkerInfo, str], None],
+        on_worker_failure: Callable[[WorkerInfo, str, int], None],
     ):
         self.config = config
         self.router = router
         self.on_worker_failure = on_worker_failure
-        """The controller's `mark_dead`: called when a call to a worker fails."""
+        """The controller's `mark_dead(worker, why, generation)`: called when a call to a
+        worker fails, with the incarnation the call went to."""
         self._recompute_warned: set[tuple[str, str]] = set()
+        self.costs = RecoveryCosts()
+        """Measured KV bandwidth and prefill rate; the cluster feeds it closed requests."""
 
     async def run(self, req: ClusterRequest) -> AsyncIterator[GenerationChunk]:
         if self.config.mode == "disaggregated":
@@ -87,6 +92,7 @@ class RequestFlow:
         result = await self._prefill_on_some_worker(req)
         if result is None:  # no prefill worker alive: the decode worker prefills
             req.timeline.recoveries.append("decode_side_prefill")
+            req.timeline.recovery_paths.append("decode_side_prefill")
             return
         first = GenerationChunk(
             req.request_id,
@@ -119,7 +125,7 @@ class RequestFlow:
                 reply = await worker.handle.prefill.remote(self._prefill_request(req))
             except WORKER_FAILURES as exc:
                 req.let_go(worker)
-                self._failed(worker, exc, req, "prefill_died")
+                self._failed(claim, exc, req, "prefill_died")
                 continue
             finally:
                 claim.release()
@@ -158,8 +164,21 @@ class RequestFlow:
                 return
             except WORKER_FAILURES as exc:
                 req.let_go(claim.worker)
-                self._failed(claim.worker, exc, req, f"{role}_died")
-                req.release_export()  # the next worker recomputes prompt + decided tokens
+                self._failed(claim, exc, req, f"{role}_died")
+                req.timeline.recovery_paths.append(self._migration_path(req))
+
+    def _migration_path(self, req: ClusterRequest) -> str:
+        """How the next decode worker gets this request's KV: `repull` the still-pinned
+        export and compute only the tokens decided since, or `recompute` prompt and
+        decided tokens from scratch, whichever the measured costs say is sooner."""
+        exporter = req.exporter
+        if req.ticket is not None and exporter is not None and exporter.alive:
+            kv_bytes = KVLayout(**req.ticket.layout).block_nbytes * len(req.ticket.block_ids)
+            path = self.costs.choose(len(req.prompt_ids), len(req.decided), kv_bytes)
+            if path == "repull":
+                return path
+        req.release_export()
+        return "recompute"
 
     async def _decode_claim(self, req: ClusterRequest, role: str) -> Claim:
         """The decode worker chosen with the prefill (the ticket names it) goes first,
@@ -260,10 +279,11 @@ class RequestFlow:
             event.message,
         )
 
-    def _failed(self, worker: WorkerInfo, exc: BaseException, req: ClusterRequest, what: str):
+    def _failed(self, claim: Claim, exc: BaseException, req: ClusterRequest, what: str):
+        worker = claim.worker
         logger.warning("request %s: %s (%s): %r", req.request_id, what, worker.worker_id, exc)
         req.timeline.recoveries.append(what)
-        self.on_worker_failure(worker, repr(exc))
+        self.on_worker_failure(worker, repr(exc), claim.generation)
 
 
 def _request_error(event: ErrorEvent) -> RequestFailedError:

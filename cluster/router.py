@@ -42,6 +42,16 @@ class WorkerInfo:
     in_flight: int = 0
     """Requests holding a claim on this worker."""
     restarts: int = 0
+    """Restarts over the cluster's life (a counter for metrics)."""
+    generation: int = 0
+    """Which actor incarnation `handle` is; failures seen on an older one are stale."""
+    standby: bool = False
+    """A warm spare: alive and ready, but not routed to until it takes a dead worker's place."""
+    recent_restarts: int = 0
+    """Restarts counted against `max_restarts`; reset after a healthy period."""
+    alive_since: float = 0.0
+    dead_since: float | None = None
+    """Monotonic time it was marked dead (None while alive)."""
 
     def score(self) -> tuple[float, float]:
         """Lower is better: outstanding work first, then fewer free KV blocks."""
@@ -57,9 +67,13 @@ class Claim:
 
     worker: WorkerInfo
     released: bool = field(default=False, init=False)
+    generation: int = field(default=0, init=False)
+    """The worker's actor incarnation when it was picked: a failure of this request's
+    calls is about that incarnation, not a replacement started since."""
 
     def __post_init__(self) -> None:
         self.worker.in_flight += 1
+        self.generation = self.worker.generation
 
     def release(self) -> None:
         """Idempotent: the first call gives the worker its seat back."""
@@ -113,7 +127,8 @@ class Router:
         self.policies = {role: POLICIES[policy]() for role in ("prefill", "decode", "colocated")}
 
     def live(self, role: str) -> list[WorkerInfo]:
-        return [w for w in self.workers.values() if w.role == role and w.alive]
+        """Workers of `role` that take requests (alive, and not a standby spare)."""
+        return [w for w in self.workers.values() if w.role == role and w.alive and not w.standby]
 
     def pick(
         self, role: str, request_id: str | None = None, exclude: set[str] | None = None

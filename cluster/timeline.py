@@ -40,6 +40,8 @@ class RequestTimeline:
     recomputed: bool = False
     recoveries: list[str] = field(default_factory=list)
     """What went wrong and was recovered from: prefill_died, decode_died, transfer_failed..."""
+    recovery_paths: list[str] = field(default_factory=list)
+    """How each recovery got the KV back: repull, recompute, decode_side_prefill."""
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
 
@@ -82,6 +84,7 @@ class RequestTimeline:
             "decode_worker": self.decode_worker,
             "recomputed": self.recomputed,
             "recoveries": list(self.recoveries),
+            "recovery_paths": list(self.recovery_paths),
             "transfer_failure": self.transfer_failure,
         }
 

@@ -28,7 +28,13 @@ from engine.engine_loop import EngineLoop
 from engine.errors import RequestAbortedError
 from engine.llm_engine import LLMEngine
 from engine.sequence import SequenceOutput
-from engine.worker_health import engine_state, health_report, node_ip
+from engine.worker_health import (
+    StartupTimer,
+    engine_state,
+    health_report,
+    node_ip,
+    step_trace,
+)
 from engine.worker_messages import (
     DecodeRequest,
     ErrorEvent,
@@ -50,10 +56,12 @@ class DecodeWorker:
     """Instantiated as a named Ray actor by the controller; also the colocated worker."""
 
     def __init__(self, spec: WorkerSpec):
+        timer = StartupTimer()
         self.spec = spec
         self.worker_id = spec.worker_id
         self.role = spec.role
         self.engine = LLMEngine(spec.engine)
+        timer.lap("engine_s")
         self.receiver = None
         if self.role == "decode":
             from kv_transfer.registry import make_receiver
@@ -64,12 +72,15 @@ class DecodeWorker:
                 self.engine.kv_pool,
                 spec.transport_options_on(node_ip()),
             )
+        timer.lap("transport_s")
+        self.startup = timer.durations
         self.fetch_pool = ThreadPoolExecutor(_FETCH_THREADS, thread_name_prefix="kv-fetch")
         self.tickets: dict[str, object] = {}
         """Tickets of imports still waiting for blocks, read by the engine thread."""
         self.last_transfer: dict[str, str] = {}
         """Prefill worker -> how its last request's KV got here (transport or recomputed)."""
         self.loop: EngineLoop | None = None
+        self.stopped: asyncio.Event | None = None
 
     def _engine_loop(self) -> EngineLoop:
         # Created lazily inside the actor's event loop (the constructor runs outside it).
@@ -229,13 +240,26 @@ class DecodeWorker:
             self._engine_loop(),
             transfer,
             self.last_transfer,
+            self.startup,
         )
 
     async def debug_state(self) -> dict:
         """Leak checks in tests and drills: blocks in use and each request's state."""
         return await self._engine_loop().call(engine_state)
 
+    async def steps(self, last: int = 512) -> list[dict]:
+        """The engine's last `last` steps (`/admin/steps`, the scheduling write-ups)."""
+        return await self._engine_loop().call(lambda e: step_trace(e, last))
+
+    async def wait_until_stopped(self) -> None:
+        """The controller's death watch: returns only at shutdown, so a failure of this
+        call means the actor died (Ray reports that within milliseconds)."""
+        self.stopped = self.stopped or asyncio.Event()
+        await self.stopped.wait()
+
     async def shutdown(self) -> None:
+        if self.stopped is not None:
+            self.stopped.set()
         if self.loop is not None:
             self.loop.stop()
         self.fetch_pool.shutdown(wait=False, cancel_futures=True)

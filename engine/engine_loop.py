@@ -35,17 +35,22 @@ class EngineLoop:
     `on_iteration(engine)` runs on the engine thread once per iteration (the workers
     free blocks released by transports and start imports there); `on_abort(engine,
     request_id)` runs on the engine thread right after every engine abort (the workers
-    release the request's export or cancel its transfer)."""
+    release the request's export or cancel its transfer); `on_outputs(engine, outputs)`
+    runs on the engine thread right after each step, before the next one, and returns
+    what to deliver instead (the prefill worker exports prefilled sequences there, so
+    their first tokens never wait for another step)."""
 
     def __init__(
         self,
         engine: LLMEngine,
         on_iteration: Callable[[LLMEngine], None] | None = None,
         on_abort: Callable[[LLMEngine, str], None] | None = None,
+        on_outputs: Callable[[LLMEngine, list[SequenceOutput]], list] | None = None,
     ):
         self.engine = engine
         self.on_iteration = on_iteration
         self.on_abort = on_abort
+        self.on_outputs = on_outputs
         self.loop = asyncio.get_event_loop()
         self.commands: deque[tuple[Callable, asyncio.Future | None]] = deque()
         self.streams: dict[str, asyncio.Queue] = {}
@@ -118,6 +123,8 @@ class EngineLoop:
             except Exception:
                 logger.exception("engine step failed")
                 raise
+            if outputs and self.on_outputs is not None:
+                outputs = self.on_outputs(self.engine, outputs)
             if outputs:
                 self.loop.call_soon_threadsafe(self._deliver, outputs)
 
@@ -133,7 +140,8 @@ class EngineLoop:
             if future is not None:
                 self.loop.call_soon_threadsafe(_resolve, future, result, error)
 
-    def _deliver(self, outputs: list[SequenceOutput]) -> None:
+    def _deliver(self, outputs: list) -> None:
+        """Each item goes to the stream named by its `request_id`."""
         for output in outputs:
             self._put(output.request_id, output)
 

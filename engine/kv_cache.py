@@ -75,16 +75,19 @@ class KVCachePool:
         if shm_path is not None:
             self.move_to_shared_memory(shm_path)
 
-    def move_to_shared_memory(self, path: str) -> None:
+    def move_to_shared_memory(self, path: str, keep_contents: bool = True) -> None:
         """Re-home the pool in a shared file (e.g. under /dev/shm) that a peer process on
-        this node can map; called by the `shm` KV sender at worker start. Contents are kept;
-        views taken before this call keep pointing at the old storage."""
+        this node can map; called by the `shm` KV sender at worker start, before any KV is
+        written, with `keep_contents=False`: a new file reads as zeros, and copying a
+        pool of nothing but zeros into it cost seconds of a worker's restart (every page
+        touched twice). Views taken before this call keep pointing at the old storage."""
         if self.kv.device.type != "cpu":
             raise ValueError("only a CPU pool can live in shared memory")
         shared = torch.from_file(path, shared=True, size=self.kv.numel(), dtype=self.kv.dtype).view(
             self.kv.shape
         )
-        shared.copy_(self.kv)
+        if keep_contents:
+            shared.copy_(self.kv)
         self.kv = shared
         self.shm_path = path
 

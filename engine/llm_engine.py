@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -42,6 +42,7 @@ from engine.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+_STEPS_KEPT = 4096
 _ABORTED_IDS_KEPT = 4096
 """Aborts of requests not (yet) seen here, remembered so a late arrival is refused."""
 
@@ -59,6 +60,29 @@ class EngineStats:
     """Steps so far by how many sequences prefilled in them (batch size -> steps)."""
     decode_batch_sizes: dict[int, int] = field(default_factory=dict)
     """Steps so far by how many sequences decoded one token in them."""
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One engine step, for the step trace (`/admin/steps`): when it started on this
+    worker's clock, how long it took, and what it computed."""
+
+    started: float
+    seconds: float
+    decode_seqs: int
+    prefill_seqs: int
+    prefill_tokens: int
+
+    @classmethod
+    def of(cls, started: float, seconds: float, chunks: list) -> StepRecord:
+        prefill = [c for c in chunks if c.num_new_tokens > 1 or not c.seq.output_token_ids]
+        return cls(
+            started,
+            seconds,
+            decode_seqs=len(chunks) - len(prefill),
+            prefill_seqs=len(prefill),
+            prefill_tokens=sum(c.num_new_tokens for c in prefill),
+        )
 
 
 class LLMEngine:
@@ -91,6 +115,8 @@ class LLMEngine:
         """Every request this engine owns, whatever its status, until it finishes."""
         self._aborted_ids: OrderedDict[str, None] = OrderedDict()
         self.step_delay_s = envs.step_delay_s()
+        self.step_trace: deque[StepRecord] = deque(maxlen=_STEPS_KEPT)
+        """The last steps this engine ran (who computed what, when, for how long)."""
         self.prefill_batch_sizes: dict[int, int] = {}
         self.decode_batch_sizes: dict[int, int] = {}
 
@@ -309,6 +335,7 @@ class LLMEngine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
+        started = clock.now()
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
         self._count_batch(chunks)
@@ -316,12 +343,14 @@ class LLMEngine:
         for chunk in chunks:
             chunk.seq.num_computed_tokens += chunk.num_new_tokens
         seqs = result.sampling_seqs
-        if not seqs:
-            return []
-        tokens = self.sampler.sample(
-            result.logits, [s.params for s in seqs], [len(s.output_token_ids) for s in seqs]
-        )
-        return [self._append_token(seq, token) for seq, token in zip(seqs, tokens, strict=True)]
+        outputs = []
+        if seqs:
+            tokens = self.sampler.sample(
+                result.logits, [s.params for s in seqs], [len(s.output_token_ids) for s in seqs]
+            )
+            outputs = [self._append_token(seq, t) for seq, t in zip(seqs, tokens, strict=True)]
+        self.step_trace.append(StepRecord.of(started, clock.now() - started, chunks))
+        return outputs
 
     def _count_batch(self, chunks: list) -> None:
         # Exact sizes, not buckets: at most max_num_seqs keys, and metrics picks the buckets.

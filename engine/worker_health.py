@@ -6,7 +6,9 @@ reads the load fields of the `HealthReport` and the metrics layer the rest.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import time
 
 from engine.engine_loop import EngineLoop
 from engine.gpu_stats import read_gpu_stats
@@ -21,6 +23,7 @@ def health_report(
     loop: EngineLoop,
     transfer=None,
     last_transfer: dict[str, str] | None = None,
+    startup: dict[str, float] | None = None,
 ) -> HealthReport:
     """Raises when the worker cannot serve (its engine thread died)."""
     import torch
@@ -43,6 +46,7 @@ def health_report(
         gpu=read_gpu_stats(engine.config.device),
         transfer=transfer,
         last_transfer=dict(last_transfer or {}),
+        startup=dict(startup or {}),
     )
 
 
@@ -54,6 +58,27 @@ def engine_state(engine: LLMEngine) -> dict:
         "sequences": len(engine.sequences),
         "requests": engine.request_states(),
     }
+
+
+class StartupTimer:
+    """Times a worker's constructor, step by step, from its process's start."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self.durations = {"process_s": time.time() - psutil.Process().create_time()}
+        self._last = time.monotonic()
+
+    def lap(self, name: str) -> None:
+        now = time.monotonic()
+        self.durations[name] = now - self._last
+        self._last = now
+
+
+def step_trace(engine: LLMEngine, last: int) -> list[dict]:
+    """A worker's `steps(last)`: its engine's last steps, oldest first (engine thread)."""
+    records = list(engine.step_trace)[-last:] if last > 0 else []
+    return [dataclasses.asdict(r) for r in records]
 
 
 def node_ip() -> str | None:

@@ -125,6 +125,10 @@ class HealthReport:
     gpu: dict | None = None
     transfer: Any | None = None
     """`kv_transfer` SenderStats (prefill) or ReceiverStats (decode); None colocated."""
+    startup: dict[str, float] = field(default_factory=dict)
+    """How this worker's start went, in seconds: `process_s` (process start to the
+    actor's constructor: interpreter, imports), `engine_s` (weights and KV pool),
+    `transport_s` (KV servers)."""
     last_transfer: dict[str, str] = field(default_factory=dict)
     """Decode workers: prefill worker id -> how its last request's KV arrived
     (a transport name, or `recomputed` when it was prefilled here instead)."""

@@ -5,8 +5,11 @@ Lifecycle of a request here:
     -> queued in the engine (batched with other prompts up to the token budget,
        chunked when longer than the prefill chunk)
     -> first token sampled; the sequence is PREFILLED, its blocks still the engine's
-    -> `export_prefilled` hands the blocks to the KV sender under a lease, in one
-       engine-thread step (an abort cannot slip in between; a failed export frees them)
+    -> right after that step, still on the engine thread and before the next step,
+       `export_prefilled` hands the blocks to the KV sender under a lease (an abort
+       cannot slip in between; a failed export frees them). Exporting from the
+       event loop instead let the next step start first, so a batch's first tokens
+       waited for the next batch's whole prefill (docs/benchmarks.md)
     -> the ticket goes back to the caller, which hands it to a decode worker
     -> ack (decode imported them), abort, or lease expiry returns the blocks.
 `abort()` ends the request at any of these points: queued, prefilling, exported.
@@ -14,17 +17,38 @@ Lifecycle of a request here:
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from dataclasses import dataclass
 
 from engine import clock
 from engine.engine_loop import EngineLoop
 from engine.errors import RequestAbortedError
 from engine.llm_engine import LLMEngine
-from engine.worker_health import engine_state, health_report, node_ip
+from engine.sequence import SequenceOutput
+from engine.worker_health import (
+    StartupTimer,
+    engine_state,
+    health_report,
+    node_ip,
+    step_trace,
+)
 from engine.worker_messages import ErrorEvent, HealthReport, PrefillRequest, PrefillResult
 from engine.worker_spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Exported:
+    """What a prefilled sequence's stream gets: its first token and its export, made on
+    the engine thread right after the step that sampled the token."""
+
+    request_id: str
+    output: SequenceOutput
+    ticket: object | None
+    error: Exception | None
+    exported_at: float
 
 
 class PrefillWorker:
@@ -33,22 +57,32 @@ class PrefillWorker:
     def __init__(self, spec: WorkerSpec):
         from kv_transfer.registry import make_sender
 
+        timer = StartupTimer()
         self.spec = spec
         self.worker_id = spec.worker_id
         self.engine = LLMEngine(spec.engine)
+        timer.lap("engine_s")
         self.sender = make_sender(
             spec.transport,
             spec.worker_id,
             self.engine.kv_pool,
             spec.transport_options_on(node_ip()),
         )
+        timer.lap("transport_s")
+        self.startup = timer.durations
+        self.peers: dict[str, str] = {}
+        """Request -> the decode worker its export is meant for, until it is exported."""
         self.loop: EngineLoop | None = None
+        self.stopped: asyncio.Event | None = None
 
     def _engine_loop(self) -> EngineLoop:
         # Created lazily inside the actor's event loop (the constructor runs outside it).
         if self.loop is None:
             self.loop = EngineLoop(
-                self.engine, on_iteration=self._free_released, on_abort=self._release_export
+                self.engine,
+                on_iteration=self._free_released,
+                on_abort=self._release_export,
+                on_outputs=self._export_prefilled,
             )
         return self.loop
 
@@ -58,7 +92,26 @@ class PrefillWorker:
 
     def _release_export(self, _engine: LLMEngine, request_id: str) -> None:
         # An abort after the export: the lease lets go now, not at its expiry.
+        self.peers.pop(request_id, None)
         self.sender.abort(request_id)
+
+    def _export_prefilled(self, engine: LLMEngine, outputs: list) -> list:
+        """On the engine thread, right after a step: export every sequence it prefilled."""
+        delivered = []
+        for output in outputs:
+            if not output.prefilled:
+                delivered.append(output)  # finished at its first token: nothing to export
+                continue
+            peer = self.peers.pop(output.request_id, "")
+            try:
+                ticket, error = (
+                    engine.export_prefilled(output.request_id, self._exporter(peer)),
+                    None,
+                )
+            except Exception as exc:  # the blocks are back; the request fails, not the worker
+                ticket, error = None, exc
+            delivered.append(_Exported(output.request_id, output, ticket, error, clock.now()))
+        return delivered
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult | ErrorEvent:
         """Called once per request by the driver's request flow. Errors come back as an
@@ -68,27 +121,28 @@ class PrefillWorker:
         request_id = request.request_id
         arrived = clock.now()
         stream = loop.open_stream(request_id)
+        self.peers[request_id] = request.peer_id
         try:
             seq = await loop.call(
                 lambda e: e.add_request(
                     request_id, request.prompt_token_ids, request.params, stop_after_prefill=True
                 )
             )
-            output = await stream.get()
-            if output is None:
+            item = await stream.get()
+            if item is None:
                 raise RequestAbortedError("aborted during prefill", request_id)
-            ticket = None
-            if not output.finished:
-                ticket = await loop.call(
-                    lambda e: e.export_prefilled(request_id, self._exporter(request.peer_id))
-                )
-            exported = clock.now()
+            output, ticket, exported = item, None, None
+            if isinstance(item, _Exported):
+                if item.error is not None:
+                    raise item.error
+                output, ticket, exported = item.output, item.ticket, item.exported_at
         except Exception as exc:  # the request failed, not the worker: say so in data
             if not isinstance(exc, RequestAbortedError):
                 logger.warning("[request %s] prefill failed: %r", request_id, exc)
             return ErrorEvent.of(request_id, exc)
         finally:
             loop.close_stream(request_id)
+            self.peers.pop(request_id, None)
         scheduled = seq.first_scheduled_at or arrived
         first_token = seq.first_token_at or scheduled
         return PrefillResult(
@@ -102,7 +156,7 @@ class PrefillWorker:
             ticket=ticket,
             queue_s=scheduled - arrived,
             prefill_s=first_token - scheduled,
-            export_s=exported - first_token if ticket is not None else 0.0,
+            export_s=exported - first_token if exported is not None else 0.0,
         )
 
     def _exporter(self, peer_id: str):
@@ -123,7 +177,12 @@ class PrefillWorker:
     async def check_health(self) -> HealthReport:
         """Called by the controller's watchdog; raises (or times out) when unhealthy."""
         return health_report(
-            self.worker_id, "prefill", self.engine, self._engine_loop(), self.sender.stats()
+            self.worker_id,
+            "prefill",
+            self.engine,
+            self._engine_loop(),
+            self.sender.stats(),
+            startup=self.startup,
         )
 
     async def debug_state(self) -> dict:
@@ -136,7 +195,19 @@ class PrefillWorker:
     async def endpoint(self) -> dict:
         return self.sender.endpoint()
 
+    async def steps(self, last: int = 512) -> list[dict]:
+        """The engine's last `last` steps (`/admin/steps`, the scheduling write-ups)."""
+        return await self._engine_loop().call(lambda e: step_trace(e, last))
+
+    async def wait_until_stopped(self) -> None:
+        """The controller's death watch: returns only at shutdown, so a failure of this
+        call means the actor died (Ray reports that within milliseconds)."""
+        self.stopped = self.stopped or asyncio.Event()
+        await self.stopped.wait()
+
     async def shutdown(self) -> None:
+        if self.stopped is not None:
+            self.stopped.set()
         if self.loop is not None:
             self.loop.stop()
         self.sender.close()

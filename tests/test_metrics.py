@@ -106,7 +106,9 @@ def test_failed_transfer_is_counted_by_reason_and_link():
 
 
 def test_gpu_series_absent_without_nvml_and_present_with_a_report():
-    worker = SimpleNamespace(worker_id="decode-0", role="decode", alive=True, restarts=2, load=None)
+    worker = SimpleNamespace(
+        worker_id="decode-0", role="decode", alive=True, standby=False, restarts=2, load=None
+    )
     controller = SimpleNamespace(
         workers={"decode-0": worker}, config=SimpleNamespace(transport="auto")
     )

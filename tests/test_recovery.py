@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 
 import pytest
 
@@ -99,19 +100,91 @@ def kill(cluster, worker_id):
     return strike()
 
 
-def test_kill_a_decode_worker_mid_stream(tiny_llama_dir, expected, expected_text):
-    config = tiny_cluster_config(
-        tiny_llama_dir, transport="shm", decode_workers=2, restart_backoff_s=0.2
-    )
-    timings = scenario(config, lambda c: kill(c, "decode-0"), expected, expected_text)
-    assert any("decode_died" in t["recoveries"] for t in timings)
+# --- kills that hit: every worker holds a request when one is killed ---------------------
+
+STEADY = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+WAVE_1 = [[(5 * i + 7 * j) % 290 + 5 for j in range(20 + 3 * i)] for i in range(8)]
+"""Short prompts that keep both decode workers streaming."""
+WAVE_2 = [[(11 * i + 3 * j) % 290 + 5 for j in range(180 + 4 * i)] for i in range(8)]
+"""Long prompts that keep both prefill workers busy (16-token chunks, slowed steps)."""
 
 
-def test_kill_a_prefill_worker_under_load(tiny_llama_dir, expected, expected_text):
+@pytest.fixture(scope="module")
+def steady_expected(tiny_llama_dir):
+    return reference_outputs(tiny_llama_dir, WAVE_1 + WAVE_2, STEADY.max_tokens)
+
+
+async def holdings(cluster) -> dict[str, int]:
+    """Worker -> requests it holds something for (a sequence or an export's lease)."""
+    states = await cluster.controller.debug_states()
+    return {w: len(s.get("requests", {})) + len(s.get("leases", [])) for w, s in states.items()}
+
+
+async def strike_when_all_hold(cluster, victim: str, timeout_s: float = 60.0) -> int:
+    """SIGKILL `victim` the moment every worker holds a request; returns what it held."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        held = await holdings(cluster)
+        if len(held) == len(cluster.controller.workers) and min(held.values()) > 0:
+            os.kill(await pid_of(cluster, victim), signal.SIGKILL)
+            return held[victim]
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"never saw every worker hold a request: {await holdings(cluster)}")
+
+
+async def back_at_strength(cluster, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all(w.alive for w in cluster.controller.workers.values()):
+        assert time.monotonic() < deadline, "the killed worker never came back"
+        await asyncio.sleep(0.1)
+
+
+@pytest.mark.parametrize("transport", ["shm", "collective", "grpc"])
+def test_kills_that_hit_lose_nothing(tiny_llama_dir, steady_expected, transport, monkeypatch):
+    """A decode worker, then a prefill worker, each killed while every worker holds a
+    request; each time every stream ends with exactly the reference tokens."""
+    monkeypatch.setenv("PDSERVE_STEP_DELAY_S", "0.03")  # inherited by the Ray workers
     config = tiny_cluster_config(
-        tiny_llama_dir, transport="shm", prefill_workers=2, restart_backoff_s=0.2
+        tiny_llama_dir, transport=transport, prefill_workers=2, decode_workers=2
     )
-    scenario(config, lambda c: kill(c, "prefill-0"), expected, expected_text)
+
+    async def collect(cluster, prompt):
+        tokens, last = [], None
+        async for chunk in cluster.generate(prompt, STEADY):
+            tokens += chunk.token_ids
+            last = chunk
+        return tokens, last.timings
+
+    async def under_load(cluster, victim: str):
+        first = [asyncio.create_task(collect(cluster, p)) for p in WAVE_1]
+        await asyncio.sleep(0.3)  # decode workers streaming
+        second = [asyncio.create_task(collect(cluster, p)) for p in WAVE_2]
+        held = await strike_when_all_hold(cluster, victim)
+        results = await asyncio.wait_for(asyncio.gather(*first, *second), timeout=240)
+        await back_at_strength(cluster)
+        return held, results
+
+    async def main():
+        cluster = await PDCluster(config).start()
+        try:
+            outcomes = {role: await under_load(cluster, f"{role}-0") for role in ROLES}
+            await assert_cluster_leak_free(cluster, wait_s=15)
+            return outcomes
+        finally:
+            await cluster.shutdown()
+
+    for role, (held, results) in asyncio.run(main()).items():
+        assert held > 0, f"the {role} kill hit an idle worker"
+        assert [tokens for tokens, _ in results] == steady_expected, role
+        affected = [t for _, t in results if f"{role}_died" in t["recoveries"]]
+        assert affected, f"no request went through the {role} kill"
+        for timings in affected:  # each recovery says how it got its KV back
+            assert timings["e2e_s"] > 0
+            if role == "decode":
+                assert timings["recovery_paths"][0] in ("repull", "recompute")
+
+
+ROLES = ("decode", "prefill")
 
 
 def test_kill_the_only_prefill_worker_decode_side_prefill_takes_over(tiny_llama_dir, expected):

@@ -276,7 +276,7 @@ def tokens_of(request):
 def cluster_of(prefill: FakeWorker, decode: FakeWorker):
     config = ClusterConfig(transport="shm", recovery_timeout_s=0.5)
     workers = {w.info.worker_id: w.info for w in (prefill, decode)}
-    flow = RequestFlow(config, Router("round_robin", workers), lambda w, why: None)
+    flow = RequestFlow(config, Router("round_robin", workers), lambda w, why, generation: None)
     return flow, workers
 
 

@@ -105,7 +105,7 @@ class ShmServer:
             remove_stale_files(options.shm_dir)
             safe_id = "".join(c if c.isalnum() else "_" for c in sender.worker_id)
             path = os.path.join(options.shm_dir, f"{FILE_PREFIX}{safe_id}-{os.getpid()}.kv")
-            pool.move_to_shared_memory(path)
+            pool.move_to_shared_memory(path, keep_contents=False)  # a fresh file: zeros
         self.path = pool.shm_path
         self.faults: FaultOptions = options.faults
         self.control = ControlServer(

@@ -1,0 +1,202 @@
+"""The drill's scorecard: what each kill hit, how fast the cluster noticed and healed,
+and whether any request lost, duplicated or changed a token.
+
+A kill counts only when its victim held at least one request: the drill picks victims
+by load, and a kill with nothing to hit is reported as a miss. `passed` needs every
+planned kill to have hit, at least one request to have gone through a recovery, every
+request to have completed with exactly its reference text, and no block or lease to
+be left on any worker.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from dataclasses import dataclass, field
+
+from bench.loadgen import RequestRecord
+from bench.stats import percentile
+
+
+@dataclass
+class KillEvent:
+    at_s: float
+    """Seconds into the load."""
+    worker_id: str
+    role: str
+    pid: int | None
+    held_requests: int
+    """Requests the victim held when it was chosen; 0 makes the kill a miss."""
+    killed_at: float = 0.0
+    """`time.perf_counter()` of the kill (the records' clock)."""
+    strength_before: int = 0
+    """Workers of the role taking requests just before the kill."""
+    detected_after_s: float | None = None
+    """Kill until the controller had marked the worker dead."""
+    full_strength_after_s: float | None = None
+    """Kill until the role had as many workers taking requests as before."""
+    recovered_after_s: float | None = None
+    """Kill until the same worker was alive again, as a new process."""
+
+    @property
+    def hit(self) -> bool:
+        return self.pid is not None and self.held_requests > 0
+
+
+@dataclass
+class DrillReport:
+    requests: int
+    completed: int
+    recovered: int
+    failed: int
+    refused: int
+    """Requests answered 429/503 (counted in `failed` too)."""
+    exact: int
+    duplicated_text: int
+    missing_text: int
+    diverged: int
+    extra_latency_p50_s: float | None
+    extra_latency_p99_s: float | None
+    resume_gap_p50_s: float | None = None
+    resume_gap_max_s: float | None = None
+    recovery_paths: dict[str, int] = field(default_factory=dict)
+    kills: list[KillEvent] = field(default_factory=list)
+    kills_planned: int = 0
+    detect_max_s: float | None = None
+    full_strength_after_s: float | None = None
+    leaked_blocks: dict[str, int] = field(default_factory=dict)
+    leaked_leases: dict[str, int] = field(default_factory=dict)
+    soak: dict = field(default_factory=dict)
+    """Soak runs only: throughput recovery, RSS growth, plot path (see bench/soak.py)."""
+
+    @property
+    def kills_hit(self) -> int:
+        return sum(1 for k in self.kills if k.hit)
+
+    @property
+    def passed(self) -> bool:
+        return (
+            self.failed == 0
+            and self.kills_hit == self.kills_planned
+            and self.recovered > 0
+            and self.exact == self.requests
+            and not any(self.leaked_blocks.values())
+            and not any(self.leaked_leases.values())
+            and self.soak.get("passed", True)
+        )
+
+
+def verdict(
+    records: list[RequestRecord],
+    reference: dict,
+    kills: list[KillEvent],
+    blocks: dict[str, int],
+    leases: dict[str, int],
+) -> DrillReport:
+    done = [r for r in records if r.ok]
+    affected = [r for r in done if r.server_timings.get("recoveries")]
+    # Extra latency: each affected request against the same prompt's uninterrupted run
+    # at the same concurrency (the reference pass), not against other prompts.
+    key = _prompt_key
+    extra = [r.e2e_s - reference[key(r)].e2e_s for r in affected if key(r) in reference]
+    expected = {prompt: ref.text for prompt, ref in reference.items()}
+    wrong = [r for r in done if r.text != expected.get(key(r))]
+    gaps = resume_gaps(affected, [k.killed_at for k in kills if k.hit])
+    paths = Counter(p for r in affected for p in r.server_timings.get("recovery_paths", []))
+    detects = [k.detected_after_s for k in kills if k.detected_after_s is not None]
+    healed = [k for k in kills if k.hit]
+    return DrillReport(
+        requests=len(records),
+        completed=len(done),
+        recovered=len(affected),
+        failed=len(records) - len(done),
+        refused=sum(1 for r in records if r.status in (429, 503)),
+        exact=len(done) - len(wrong),
+        duplicated_text=sum(1 for r in wrong if len(r.text) > len(expected.get(key(r), ""))),
+        missing_text=sum(1 for r in wrong if len(r.text) < len(expected.get(key(r), ""))),
+        diverged=sum(1 for r in wrong if len(r.text) == len(expected.get(key(r), ""))),
+        extra_latency_p50_s=percentile(extra, 50),
+        extra_latency_p99_s=percentile(extra, 99),
+        resume_gap_p50_s=percentile(gaps, 50),
+        resume_gap_max_s=max(gaps) if gaps else None,
+        recovery_paths=dict(paths),
+        kills=kills,
+        detect_max_s=max(detects) if detects else None,
+        full_strength_after_s=_worst(k.full_strength_after_s for k in healed),
+        leaked_blocks=blocks,
+        leaked_leases=leases,
+    )
+
+
+def _prompt_key(record: RequestRecord):
+    prompt = record.prompt
+    return tuple(prompt) if isinstance(prompt, list) else prompt
+
+
+def _worst(values) -> float | None:
+    values = list(values)
+    if not values or any(v is None for v in values):
+        return None
+    return max(values)
+
+
+def resume_gaps(records: list[RequestRecord], kill_times: list[float]) -> list[float]:
+    """Per affected stream and kill during it: the gap between its last text chunk
+    before the kill and its first after (how long the client saw nothing)."""
+    gaps = []
+    for record in records:
+        times = record.chunk_times
+        for killed in kill_times:
+            i = bisect.bisect_left(times, killed)
+            if 0 < i < len(times):
+                gaps.append(times[i] - times[i - 1])
+    return gaps
+
+
+def format_report(report: DrillReport) -> str:
+    def fmt(value):
+        return "-" if value is None else f"{value:.2f}"
+
+    rows = [
+        ("requests", report.requests),
+        ("completed", report.completed),
+        ("recovered (went through a fault)", report.recovered),
+        ("failed (refused 429/503)", f"{report.failed} ({report.refused})"),
+        ("exact text vs reference", f"{report.exact}/{report.requests}"),
+        (
+            "duplicated / missing / diverged",
+            f"{report.duplicated_text} / {report.missing_text} / {report.diverged}",
+        ),
+        (
+            "extra latency p50 / p99 (s)",
+            f"{fmt(report.extra_latency_p50_s)} / {fmt(report.extra_latency_p99_s)}",
+        ),
+        (
+            "stream resume gap p50 / max (s)",
+            f"{fmt(report.resume_gap_p50_s)} / {fmt(report.resume_gap_max_s)}",
+        ),
+        ("recovery paths", report.recovery_paths or "-"),
+        ("time to detect, worst (s)", fmt(report.detect_max_s)),
+        ("full strength again, worst (s)", fmt(report.full_strength_after_s)),
+        ("kills hit / planned", f"{report.kills_hit} / {report.kills_planned}"),
+    ]
+    lines = [f"{name:<36}{value}" for name, value in rows]
+    for kill in report.kills:
+        if not kill.hit:
+            lines.append(f"  MISS at {kill.at_s:.2f}s: no {kill.role} worker held a request")
+            continue
+        lines.append(
+            f"  killed {kill.worker_id} (pid {kill.pid}, {kill.held_requests} requests) at "
+            f"{kill.at_s:.2f}s: detected {fmt(kill.detected_after_s)}s, full strength "
+            f"{fmt(kill.full_strength_after_s)}s, restarted {fmt(kill.recovered_after_s)}s"
+        )
+    leaks = {w: n for w, n in report.leaked_blocks.items() if n}
+    lines.append(f"{'leaked KV blocks':<36}{leaks or 0}")
+    lines.append(
+        f"{'leaked leases':<36}{({w: n for w, n in report.leaked_leases.items() if n}) or 0}"
+    )
+    for name, value in report.soak.items():
+        if name != "passed":
+            lines.append(f"{'soak ' + name:<36}{value}")
+    lines.append("PASS" if report.passed else "FAIL")
+    return "\n".join(lines)

@@ -1,0 +1,179 @@
+"""`pdserve drill --duration D --every E`: a steady load for D with a kill every E, and
+the checks a long run needs beyond "nothing lost".
+
+A soak's life: an open-loop load at `--rate` requests/s (capped at `--concurrency` in
+flight) cycles through the drill's prompts for D seconds while the kill schedule
+strikes; every 2 s the resident memory of the frontend and of every worker process is
+sampled. At the end (besides the drill's own verdict):
+  * throughput: output tokens per window; the level before the first kill is the
+    baseline, and after each kill a window must reach 80% of it before the next kill;
+  * memory: no process's RSS may grow by more than max(64 MiB, 10%) between its first
+    and last sample (workers restart, so each process is judged on its own life);
+  * a PNG of throughput and TTFT over time with every kill marked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import statistics
+import time
+
+import aiohttp
+
+from bench.loadgen import LoadSpec, RequestRecord, stream_completion
+
+_RSS_EVERY_S = 2.0
+_BACK_TO = 0.8
+"""Share of the pre-kill throughput a window after a kill must reach."""
+_RSS_SLACK = (64 << 20, 0.10)
+
+
+async def run_soak(admin, spec: LoadSpec, args, kills, watchers):
+    from bench.drill import kill_schedule, kill_times, parse_duration
+
+    duration = parse_duration(args.duration)
+    rate = args.rate or _default_rate(args)
+    start = time.perf_counter()
+    rss: dict[int, list[tuple[float, int]]] = {}
+    killer = asyncio.create_task(
+        kill_schedule(admin, args, kill_times(args), start, kills, watchers)
+    )
+    sampler = asyncio.create_task(_sample_rss(admin, rss, start))
+    try:
+        records = await _open_loop(spec, rate, duration, start)
+        await killer
+    finally:
+        sampler.cancel()
+    window = max(2.0, args.every / 6)
+    throughput = _windows(records, start, window, duration)
+    summary = {
+        "duration_s": duration,
+        "rate_per_s": rate,
+        "window_s": window,
+        **_throughput_back(throughput, window, [k for k in kills if k.hit], args.every),
+        **_rss_growth(rss),
+    }
+    summary["plot"] = _plot(args.plot, records, throughput, window, kills, start)
+    summary["passed"] = summary["throughput_back"] and summary["rss_flat"]
+    return records, summary
+
+
+def _default_rate(args) -> float:
+    # About what `concurrency` streams of `max_tokens` finish per second at ~20 tok/s
+    # each: enough to keep every worker busy without an ever-growing queue.
+    return max(0.2, args.concurrency * 20.0 / max(args.max_tokens, 1) * 0.5)
+
+
+async def _open_loop(spec: LoadSpec, rate: float, duration: float, start: float):
+    records: list[RequestRecord] = []
+    gate = asyncio.Semaphore(spec.concurrency)
+    tasks = []
+    timeout = aiohttp.ClientTimeout(total=spec.timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+
+        async def one(record: RequestRecord) -> None:
+            async with gate:
+                await stream_completion(session, spec, record)
+
+        index = 0
+        while (due := start + index / rate) < start + duration:
+            await asyncio.sleep(max(0.0, due - time.perf_counter()))
+            record = RequestRecord(index, spec.prompts[index % len(spec.prompts)], scheduled=due)
+            records.append(record)
+            tasks.append(asyncio.create_task(one(record)))
+            index += 1
+        await asyncio.gather(*tasks)
+    return records
+
+
+async def _sample_rss(admin, rss: dict, start: float) -> None:
+    import psutil
+
+    while True:
+        body = await admin.get("/admin/workers")
+        pids = [w["pid"] for w in body["workers"] if w.get("alive") and w.get("pid")]
+        pids.append(body.get("frontend_pid"))
+        for pid in filter(None, pids):
+            # A process that just died, or lives on another node, is skipped.
+            with contextlib.suppress(psutil.Error):
+                sample = psutil.Process(pid).memory_info().rss
+                rss.setdefault(pid, []).append((time.perf_counter() - start, sample))
+        await asyncio.sleep(_RSS_EVERY_S)
+
+
+def _windows(records, start: float, window: float, duration: float) -> list[float]:
+    """Output tokens per second in consecutive windows (each text chunk ~ one token)."""
+    counts = [0] * (int(duration / window) + 1)
+    for record in records:
+        for t in record.chunk_times:
+            slot = int((t - start) / window)
+            if 0 <= slot < len(counts):
+                counts[slot] += 1
+    return [c / window for c in counts]
+
+
+def _throughput_back(throughput: list[float], window: float, kills, every: float) -> dict:
+    first_kill = min((k.at_s for k in kills), default=len(throughput) * window)
+    before = throughput[1 : max(2, int(first_kill / window))]
+    baseline = statistics.median(before) if before else 0.0
+    back_after = []
+    for kill in kills:
+        slot = int(kill.at_s / window)
+        later = [i for i in range(slot, len(throughput)) if throughput[i] >= _BACK_TO * baseline]
+        back_after.append(None if not later else (later[0] + 1) * window - kill.at_s)
+    ok = all(t is not None and t <= every for t in back_after)
+    return {
+        "tokens_per_s_before_kills": round(baseline, 2),
+        "throughput_back_after_s": [None if t is None else round(t, 1) for t in back_after],
+        "throughput_back": ok,
+    }
+
+
+def _rss_growth(rss: dict[int, list[tuple[float, int]]]) -> dict:
+    worst, worst_pid = 0, None
+    flat = True
+    for pid, samples in rss.items():
+        if len(samples) < 3:
+            continue
+        first, last = samples[0][1], samples[-1][1]
+        growth = last - first
+        if growth > max(_RSS_SLACK[0], _RSS_SLACK[1] * first):
+            flat = False
+        if growth > worst:
+            worst, worst_pid = growth, pid
+    return {
+        "rss_processes": len(rss),
+        "rss_worst_growth_mib": round(worst / (1 << 20), 1),
+        "rss_worst_pid": worst_pid,
+        "rss_flat": flat,
+    }
+
+
+def _plot(path: str, records, throughput, window: float, kills, start: float) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(10, 6))
+    top.step([i * window for i in range(len(throughput))], throughput, where="post")
+    top.set_ylabel("output tokens/s")
+    top.set_ylim(bottom=0)
+    done = [r for r in records if r.ttft_s is not None]
+    bottom.scatter([r.start - start for r in done], [r.ttft_s for r in done], s=6)
+    failed = [r for r in records if not r.ok]
+    bottom.scatter([r.start - start for r in failed], [0] * len(failed), s=12, c="red", marker="x")
+    bottom.set_ylabel("TTFT (s)")
+    bottom.set_xlabel("seconds into the soak")
+    for kill in kills:
+        for axis in (top, bottom):
+            axis.axvline(kill.at_s, color="red" if kill.hit else "grey", linestyle="--", lw=0.8)
+        top.annotate(kill.role, (kill.at_s, max(throughput or [1])), fontsize=7, rotation=90)
+    top.set_title("pdserve soak: throughput and TTFT, kills marked")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

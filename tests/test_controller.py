@@ -1,0 +1,83 @@
+"""The controller's decisions about dead, restarted and spare workers, against fake
+actor handles (no Ray): stale failures, the restart budget, standby take-over."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from cluster.config import ClusterConfig
+from cluster.controller import Controller
+from cluster.router import Router, WorkerInfo
+from engine.worker_messages import HealthReport
+
+
+class FakeHandle:
+    def __init__(self, worker_id: str):
+        self.report = HealthReport(
+            worker_id, "decode", queue_depth=0, free_blocks=8, total_blocks=8, num_running=0,
+            num_waiting=0, num_threads=1, pid=1,
+        )  # fmt: skip
+        self.check_health = self
+        self.wait_until_stopped = self
+
+    def remote(self):
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(self.report)
+        return future
+
+
+def controller_with(*workers: WorkerInfo, **config) -> Controller:
+    controller = Controller(ClusterConfig(max_restarts=3, **config))
+    for worker in workers:
+        worker.handle = FakeHandle(worker.worker_id)
+        controller.workers[worker.worker_id] = worker
+    controller._restart = _no_restart  # the restart itself needs Ray; recorded, not run
+    return controller
+
+
+async def _no_restart(worker: WorkerInfo) -> None:
+    return None
+
+
+def test_a_stale_failure_of_an_old_generation_does_not_kill_its_replacement():
+    async def main():
+        worker = WorkerInfo("decode-0", "decode", handle=None, generation=2)
+        controller = controller_with(worker)
+        controller.mark_dead(worker, "a call to the old actor failed", generation=1)
+        assert worker.alive and not controller.restart_tasks
+        controller.mark_dead(worker, "this actor died", generation=2)
+        assert not worker.alive and "decode-0" in controller.restart_tasks
+
+    asyncio.run(main())
+
+
+def test_a_healthy_period_restores_the_restart_budget():
+    async def main():
+        worker = WorkerInfo("decode-0", "decode", handle=None, recent_restarts=3)
+        controller = controller_with(worker, restart_budget_reset_s=300.0)
+        worker.alive_since = time.monotonic() - 10
+        assert await controller.probe(worker)
+        assert worker.recent_restarts == 3  # healthy, but not for long enough yet
+        worker.alive_since = time.monotonic() - 301
+        assert await controller.probe(worker)
+        assert worker.recent_restarts == 0
+
+    asyncio.run(main())
+
+
+def test_a_standby_takes_a_dead_workers_place_at_once():
+    async def main():
+        active = WorkerInfo("decode-0", "decode", handle=None)
+        spare = WorkerInfo("decode-1", "decode", handle=None, standby=True)
+        controller = controller_with(active, spare, decode_workers=1, standby_workers=1)
+        router = Router("least_loaded", controller.workers)
+        assert router.pick("decode").worker is active
+        controller.mark_dead(active, "killed", generation=active.generation)
+        assert not spare.standby
+        claim = router.pick("decode")
+        assert claim.worker is spare
+        claim.release()
+        assert controller._at_strength("decode")
+
+    asyncio.run(main())
