@@ -31,6 +31,12 @@ def add_bench_parser(sub) -> None:
         help="layer ops: native float32 CPU kernels, torch, or auto (native where it applies)",
     )
     engine.add_argument("--repeats", type=int, default=3, help="runs per figure (median)")
+    engine.add_argument(
+        "--pin-threads",
+        action="store_true",
+        help="every step on --threads threads (default: each step on the count measured "
+        "fastest for steps like it, see engine/threads.py)",
+    )
     engine.add_argument("--skip-transformers", action="store_true", help="only our engine")
     engine.add_argument("--json", default=None, help="also write results to this JSON file")
     engine.set_defaults(func=_run_engine_bench)

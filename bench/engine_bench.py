@@ -126,6 +126,7 @@ def _engine(args, max_batch: int) -> LLMEngine:
             kernels=args.kernels,
         )
         engine.runner = ModelRunner(engine.model, engine.kv_pool)
+    engine.model.pin_threads = args.pin_threads
     return engine
 
 

@@ -70,6 +70,8 @@ class LlamaForward:
         self.scale = spec.head_dim**-0.5
         self.heads = HeadSizes(spec.num_heads, spec.num_kv_heads, spec.head_dim)
         self.thread_choice: ThreadChoice | None = None
+        self.pin_threads = False
+        """True: every step runs on torch's configured thread count (benchmarks)."""
         self.fused_decode = None
         if self.ops.name == "native" and attention.name == "native":
             from engine.native.decode_step import FusedDecode
@@ -95,7 +97,7 @@ class LlamaForward:
             return self._step(input_ids, positions, meta, kv_pool, logits_rows)
         configured = torch.get_num_threads()
         if self.thread_choice is None or max(self.thread_choice.counts) != configured:
-            self.thread_choice = ThreadChoice(configured)
+            self.thread_choice = ThreadChoice(configured, pinned=self.pin_threads)
         key = (not meta.prefill_chunks, input_ids.shape[0].bit_length())
         threads = self.thread_choice.pick(key)
         torch.set_num_threads(threads)

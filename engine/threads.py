@@ -9,13 +9,16 @@ barrier for up to a scheduler slice, and two threads end up far slower than one
 on one thread, 711 ms on two; prefill 300 vs 123 tok/s). So `LlamaForward` asks
 `pick` before each CPU step and reports the step's wall time to `record`; per kind of
 step and size bucket it keeps a moving average per thread count, runs the faster one,
-and retries the other now and then, less often each time it loses again. The native
+and retries the other now and then, less often each time it loses again, and a retry
+of more threads only when the cores were mostly idle meanwhile. The native
 kernels split work by the batch, never by the threads, so switching changes timing
 only; torch's own ops may round differently on another thread count.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 FIRST_RETRY = 16
@@ -23,6 +26,29 @@ FIRST_RETRY = 16
 LAST_RETRY = 256
 SMOOTHING = 0.25
 """Weight of the newest step in each moving average."""
+IDLE_CORES_FOR_RETRY = 0.5
+"""A retry of more threads waits until about this many cores were idle meanwhile."""
+
+
+def idle_cores() -> Callable[[], float | None]:
+    """A probe: cores idle on average since its previous call (from /proc/stat), or None
+    where that cannot be read. A retry that would meet a busy core is a slow step, so
+    the chooser looks before it tries."""
+    last: list[tuple[int, int] | None] = [None]
+
+    def probe() -> float | None:
+        try:
+            with open("/proc/stat") as handle:
+                fields = [int(v) for v in handle.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        idle, total = fields[3] + fields[4], sum(fields[:8])
+        previous, last[0] = last[0], (idle, total)
+        if previous is None or total == previous[1]:
+            return None
+        return (idle - previous[0]) / (total - previous[1]) * (os.cpu_count() or 1)
+
+    return probe
 
 
 @dataclass
@@ -36,21 +62,33 @@ class ThreadChoice:
     """Owned by one `LlamaForward`; `pick` then `record` once per step, with the same key
     (the kind of step and its size, bucketed by the caller)."""
 
-    def __init__(self, max_threads: int):
-        self.counts = (1, max_threads) if max_threads > 1 else (1,)
+    def __init__(
+        self,
+        max_threads: int,
+        idle_probe: Callable[[], float | None] | None = None,
+        pinned: bool = False,
+    ):
+        """`pinned`: always `max_threads` (benchmarks that measure one count)."""
+        self.counts = (1, max_threads) if max_threads > 1 and not pinned else (max_threads,)
         self.buckets: dict[object, _Bucket] = {}
+        self.idle_probe = idle_probe or idle_cores()
 
     def pick(self, key) -> int:
         if len(self.counts) == 1:
-            return 1
+            return self.counts[0]
         bucket = self.buckets.setdefault(key, _Bucket())
         untried = [n for n in self.counts if n not in bucket.average]
         if untried:
             return untried[-1]
         best = min(self.counts, key=bucket.average.__getitem__)
-        if bucket.countdown <= 0:
-            return next(n for n in self.counts if n != best)
-        return best
+        if bucket.countdown > 0:
+            return best
+        other = next(n for n in self.counts if n != best)
+        idle = self.idle_probe() if other > best else None
+        if idle is not None and idle < IDLE_CORES_FOR_RETRY:
+            self._lost(bucket)  # the cores are busy: the retry would lose; wait longer
+            return best
+        return other
 
     def record(self, key, threads: int, seconds: float) -> None:
         if len(self.counts) == 1:
@@ -65,9 +103,16 @@ class ThreadChoice:
             return
         # A try of the other count: its old average is stale, this step is the news.
         averages[threads] = seconds
-        won = min(averages, key=averages.__getitem__) == threads
-        bucket.retry_in = FIRST_RETRY if won else min(2 * bucket.retry_in, LAST_RETRY)
+        if min(averages, key=averages.__getitem__) == threads:
+            bucket.retry_in = bucket.countdown = FIRST_RETRY
+            self.idle_probe()
+        else:
+            self._lost(bucket)
+
+    def _lost(self, bucket: _Bucket) -> None:
+        bucket.retry_in = min(2 * bucket.retry_in, LAST_RETRY)
         bucket.countdown = bucket.retry_in
+        self.idle_probe()  # the next retry looks at how idle the cores were from now on
 
     def averages(self) -> dict[object, dict[int, float]]:
         """Key -> {thread count: moving-average seconds}: what the choice is based on
