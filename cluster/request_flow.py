@@ -204,6 +204,7 @@ class RequestFlow:
                     req.params,
                     req.text_len,
                     req.ticket,
+                    req.timeline.arrival,
                 )
             )
             async for ref in stream:

@@ -136,6 +136,7 @@ class DecodeWorker:
             r.params,
             output_token_ids=r.output_token_ids,
             emitted_text_len=r.emitted_text_len,
+            priority=r.arrival,
         )
 
     async def _import(self, r: DecodeRequest, stream: asyncio.Queue) -> ImportEvent:
@@ -152,6 +153,7 @@ class DecodeWorker:
                 r.params,
                 ticket.num_tokens,
                 emitted_text_len=r.emitted_text_len,
+                priority=r.arrival,
             )
         )
         while True:

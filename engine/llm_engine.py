@@ -10,6 +10,10 @@ A decode worker that receives a prompt's KV from a peer calls begin_import
 writes them -> finish_import -> READY -> RUNNING, decoding from the first token.
 `abort` ends a request in any state; every exit goes through `_drop`. Workers and
 the CLI drive `step()` in their own loops.
+
+Prefix caching (`prefix_caching`, engine/prefix_cache.py): after every step, and when
+an import lands, the blocks whose KV just became complete are published; the
+scheduler lets later sequences start from them.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from engine.kv_cache import KVCachePool, KVLayout
 from engine.model import LlamaForward
 from engine.model_runner import ModelRunner
 from engine.model_spec import load_model_spec
+from engine.prefix_cache import CacheReport, PrefixCache, extend_hashes, hash_seed
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -106,7 +111,7 @@ class LLMEngine:
         )
         self.layout = KVLayout.for_model(self.spec, config.torch_dtype, config.block_size)
         self.kv_pool = KVCachePool(self.layout, config.num_kv_blocks, config.device)
-        self.allocator = BlockAllocator(config.num_kv_blocks)
+        self.allocator = BlockAllocator(config.num_kv_blocks, self._prefix_cache(config))
         self.scheduler = Scheduler(config, self.allocator)
         self.runner = ModelRunner(self.model, self.kv_pool)
         self.sampler = Sampler()
@@ -161,14 +166,17 @@ class LLMEngine:
         stop_after_prefill: bool = False,
         output_token_ids: list[int] | None = None,
         emitted_text_len: int | None = None,
+        priority: float | None = None,
     ) -> Sequence:
         """Queue a request. `output_token_ids` resumes one whose tokens were already decided
-        elsewhere; `emitted_text_len` says how much of their text the client already has."""
+        elsewhere; `emitted_text_len` says how much of their text the client already has;
+        `priority` is its place in line (`Sequence.priority`)."""
         self.validate(request_id, prompt_token_ids, params, stop_after_prefill)
         seq = self._new_sequence(
             request_id, prompt_token_ids, params, output_token_ids, emitted_text_len
         )
         seq.stop_after_prefill = stop_after_prefill
+        seq.priority = priority
         self.scheduler.add(seq)
         return seq
 
@@ -180,6 +188,7 @@ class LLMEngine:
         params: SamplingParams,
         num_tokens: int,
         emitted_text_len: int | None = None,
+        priority: float | None = None,
     ) -> Sequence:
         """A decode worker announces KV of `num_tokens` (the prompt) coming from a peer.
         The sequence is IMPORTING: it waits for blocks, which `reserve_imports` hands out,
@@ -194,6 +203,7 @@ class LLMEngine:
             request_id, prompt_token_ids, params, output_token_ids, emitted_text_len
         )
         seq.import_tokens = num_tokens
+        seq.priority = priority
         self.scheduler.add_import(seq)
         return seq
 
@@ -215,9 +225,11 @@ class LLMEngine:
             return False
         if ok:
             seq.num_computed_tokens = seq.import_tokens
+            self._publish(seq)
             self.scheduler.add_ready(seq)
         else:
-            seq.num_computed_tokens = 0
+            # Blocks that were prefix-cache hits hold their KV; only the rest is computed.
+            seq.num_computed_tokens = seq.num_published * self.config.block_size
             self.scheduler.add(seq)
         return True
 
@@ -250,6 +262,32 @@ class LLMEngine:
         seq.block_ids = []  # owned by the export's lease now
         self._drop(seq, "exported")
         return result
+
+    def _prefix_cache(self, config: EngineConfig) -> PrefixCache | None:
+        if not config.prefix_caching:
+            return None
+        seed = hash_seed(self.model_id, config.resolved_dtype, config.block_size)
+        return PrefixCache(seed, config.block_size)
+
+    def _publish(self, seq: Sequence) -> None:
+        """Offer the prefix cache every block of `seq` whose KV just became complete (a
+        step filled it or an import landed it); a partly written block never is."""
+        cache = self.allocator.cache
+        size = self.config.block_size
+        full = min(seq.num_computed_tokens // size, len(seq.block_ids))
+        if cache is None or full <= seq.num_published:
+            return
+        hashes = extend_hashes(seq.block_hashes, seq.token_slice, cache.seed, size, full)
+        for index in range(seq.num_published, full):
+            parent = hashes[index - 1] if index else cache.seed
+            tokens = tuple(seq.token_slice(index * size, (index + 1) * size))
+            cache.publish(seq.block_ids[index], hashes[index], parent, tokens)
+        seq.num_published = full
+
+    def cache_report(self) -> CacheReport | None:
+        """The prefix cache's state for a health report (safe from any thread)."""
+        cache = self.allocator.cache
+        return cache.report() if cache is not None else None
 
     def release_blocks(self, block_ids: list[int]) -> None:
         """Blocks whose export lease ended (ack, abort, expiry) come back to the pool."""
@@ -342,6 +380,7 @@ class LLMEngine:
         result = self.runner.run(chunks)
         for chunk in chunks:
             chunk.seq.num_computed_tokens += chunk.num_new_tokens
+            self._publish(chunk.seq)  # before sampling, which may free the blocks
         seqs = result.sampling_seqs
         outputs = []
         if seqs:

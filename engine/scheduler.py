@@ -12,6 +12,12 @@ preempted: its blocks are freed and it waits to be recomputed, rather than faili
 Imports wait in their own queue for blocks (`reserve_imports`), FIFO, leaving one
 block of headroom per running sequence so that admitting an import does not at once
 force a preemption of a stream that is decoding.
+
+With a prefix cache, a sequence taking its seat with no KV yet (fresh, preempted)
+first takes the longest cached chain of its leading full blocks and computes only the
+rest; at least its last token is always computed, since it must be sampled from. An
+import takes its cached blocks the same way and has only the others written by the
+transfer. Either way nothing is taken before the room for the rest is checked.
 """
 
 from __future__ import annotations
@@ -79,25 +85,50 @@ class Scheduler:
 
     def reserve_imports(self) -> list[Sequence]:
         """Give blocks to queued imports, oldest first, while the pool has them to spare.
-        Returns the sequences that got theirs: their transfers can start now."""
+        Returns the sequences that got theirs: their transfers can start now. The first
+        `num_cached_tokens // block_size` of them are prefix-cache hits, already holding
+        their KV; the transfer writes only the others."""
         reserved = []
         headroom = len(self.running)
         while self.importing:
             seq = self.importing[0]
-            needed = blocks_needed(seq.import_tokens, self.config.block_size)
-            if not self.allocator.can_allocate(needed + headroom):
+            hits = self._cached_prefix(seq, seq.import_tokens // self.config.block_size)
+            needed = blocks_needed(seq.import_tokens, self.config.block_size) - len(hits)
+            if not self.allocator.can_allocate(needed + self.allocator.num_parked(hits) + headroom):
                 break
             self.importing.popleft()
-            seq.block_ids = self.allocator.allocate(needed, seq.request_id)
+            self._take_hits(seq, hits, seq.import_tokens)
+            seq.block_ids += self.allocator.allocate(needed, seq.request_id)
             reserved.append(seq)
         return reserved
+
+    def _cached_prefix(self, seq: Sequence, max_blocks: int) -> list[int]:
+        """The cached blocks `seq` could start from; none unless it holds no KV yet."""
+        cache = self.allocator.cache
+        if cache is None or seq.block_ids or seq.num_computed_tokens or max_blocks <= 0:
+            return []
+        return cache.match(seq.block_hashes, seq.token_slice, max_blocks)
+
+    def _take_hits(self, seq: Sequence, hits: list[int], looked_up: int) -> None:
+        """`seq` takes its cached blocks (room checked by the caller)."""
+        cache = self.allocator.cache
+        if cache is None:
+            return
+        hit_tokens = len(hits) * self.config.block_size
+        cache.count_lookup(looked_up, hit_tokens)
+        if seq.first_scheduled_at is None:
+            seq.num_cached_tokens = hit_tokens
+        if hits:
+            self.allocator.take_cached(hits)
+            seq.block_ids = list(hits)
+            seq.num_published = len(hits)
 
     # --- one step ---------------------------------------------------------------------
 
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.config.max_batch_tokens
         chunks: list[ScheduledChunk] = []
-        for seq in sorted(self.running, key=lambda s: s.arrival_time):
+        for seq in sorted(self.running, key=_line):
             if budget <= 0:
                 break
             if seq.status != SequenceStatus.RUNNING:
@@ -113,14 +144,27 @@ class Scheduler:
 
     def _seat(self, queue: deque[Sequence], budget: int, chunks: list[ScheduledChunk]) -> int:
         """Move sequences from the head of `queue` into the batch while seats, budget and
-        blocks last; returns the budget left."""
+        blocks last; returns the budget left. READY sequences are seated in line order
+        (`Sequence.priority`), whatever order their imports landed in."""
+        if queue is self.ready and len(queue) > 1:
+            ordered = sorted(queue, key=_line)
+            queue.clear()
+            queue.extend(ordered)
         while queue and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = queue[0]
-            num_new = self._piece(seq, budget)
-            extra = self._missing_blocks(seq, num_new)
-            if not self.allocator.can_allocate(extra):
+            fresh = not seq.block_ids and not seq.num_computed_tokens
+            # At least the last token is computed: its logits are sampled.
+            hits = self._cached_prefix(seq, (seq.num_tokens - 1) // self.config.block_size)
+            start = len(hits) * self.config.block_size if fresh else seq.num_computed_tokens
+            num_new = min(seq.num_tokens - start, self.config.prefill_chunk_size, budget)
+            held = len(hits) if fresh else len(seq.block_ids)
+            extra = max(0, blocks_needed(start + num_new, self.config.block_size) - held)
+            if not self.allocator.can_allocate(extra + self.allocator.num_parked(hits)):
                 break
             queue.popleft()
+            if fresh:
+                self._take_hits(seq, hits, seq.num_tokens)
+                seq.num_computed_tokens = start
             if extra > 0:
                 seq.block_ids += self.allocator.allocate(extra, seq.request_id)
             seq.status = SequenceStatus.RUNNING
@@ -154,13 +198,14 @@ class Scheduler:
 
     def _youngest_running(self) -> Sequence:
         candidates = [s for s in self.running if s.status == SequenceStatus.RUNNING]
-        return max(candidates, key=lambda s: s.arrival_time)
+        return max(candidates, key=_line)
 
     def preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks; it will recompute prompt + outputs later."""
         self.running.remove(seq)
         self.release(seq)
         seq.num_computed_tokens = 0
+        seq.num_published = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -169,3 +214,8 @@ class Scheduler:
         """A prefill worker's sequence stops computing but keeps its blocks (PREFILLED)."""
         self.running.remove(seq)
         seq.status = SequenceStatus.PREFILLED
+
+
+def _line(seq: Sequence) -> tuple[float, str]:
+    """Place in line: the cluster arrival (or the local one), the request id breaking ties."""
+    return (seq.order, seq.request_id)

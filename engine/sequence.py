@@ -12,6 +12,10 @@ Who owns a sequence's blocks is named by its status:
     PREFILLED  prompt done and first token sampled on a prefill worker; the blocks wait
                for `export_prefilled`, which hands them to the KV sender's lease
     FINISHED   stopped, aborted or handed off; holds no blocks
+
+With prefix caching, a sequence's leading full blocks may be shared with other
+sequences and export leases (read-only; each holder owns one reference), and they stay
+cached after it is gone (engine/block_manager.py).
 """
 
 from __future__ import annotations
@@ -42,6 +46,13 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     """Tokens whose KV is in this engine's pool."""
+    block_hashes: list[int] = field(default_factory=list)
+    """Prefix-cache names of its leading full blocks, grown as needed (engine/prefix_cache.py)."""
+    num_published: int = 0
+    """Leading blocks of `block_ids` already offered to the prefix cache (their KV complete)."""
+    num_cached_tokens: int = 0
+    """Tokens whose KV this engine's prefix cache already held when the sequence was first
+    admitted (a fresh prompt: not computed; an import: not moved)."""
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     stop_after_prefill: bool = False
@@ -51,6 +62,11 @@ class Sequence:
     abort_requested: bool = False
     """IMPORTING with bytes landing: aborted, freed once the transfer stops writing."""
     arrival_time: float = field(default_factory=clock.now)
+    priority: float | None = None
+    """Where the request stands in line: the time it reached the cluster, on the driver's
+    clock (None: its arrival here). Seats go to imported sequences in this order, not
+    in the order their transfers happened to land, so two near-simultaneous arrivals
+    always make the same batches; the youngest by it is preempted first."""
     first_scheduled_at: float | None = None
     """Monotonic time the scheduler first gave this sequence compute (queue wait ends)."""
     first_token_at: float | None = None
@@ -58,6 +74,10 @@ class Sequence:
     detokenizer: IncrementalDetokenizer | None = None
     output_text: str = ""
     emitted_text_len: int = 0
+
+    @property
+    def order(self) -> float:
+        return self.arrival_time if self.priority is None else self.priority
 
     @property
     def num_tokens(self) -> int:

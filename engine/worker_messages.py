@@ -62,6 +62,8 @@ class DecodeRequest:
     ticket: Any | None = None
     """Export ticket to import the prompt's KV from; None prefills here (colocated,
     recovery, decode-side prefill)."""
+    arrival: float | None = None
+    """When the request reached the cluster, on the driver's clock: its place in line."""
 
 
 @dataclass(frozen=True)

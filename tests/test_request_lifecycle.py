@@ -361,3 +361,59 @@ def test_a_worker_side_error_comes_back_with_its_kind():
     assert (error.kind, error.message) == ("invalid_request", "does not fit the KV pool")
     assert prefill_calls == [("prefill", "r1")]  # it holds nothing: no abort owed
     assert [w.in_flight for w in workers.values()] == [0, 0]
+
+
+# --- the decode scheduler replays a recorded arrival pattern deterministically ----------
+
+
+def replay_decode(landings: dict[int, list[tuple[str, float]]], steps: int = 12):
+    """Feed imports into a decode scheduler at fixed steps (as prefill completions would
+    land them) and record each step's batch: [(request id, tokens computed)]. The model
+    is not needed: each sampled sequence gets a fixed token."""
+    from engine.block_manager import BlockAllocator
+    from engine.config import EngineConfig
+    from engine.scheduler import Scheduler
+    from engine.sequence import Sequence
+
+    config = EngineConfig(
+        block_size=4, num_kv_blocks=64, max_num_seqs=3, max_batch_tokens=8, prefill_chunk_size=8
+    )
+    scheduler = Scheduler(config, BlockAllocator(64))
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    batches = []
+    for step in range(steps):
+        for request_id, arrival in landings.get(step, []):
+            seq = Sequence(request_id, [1] * 6, params, output_token_ids=[9], priority=arrival)
+            seq.block_ids = scheduler.allocator.allocate(2, request_id)
+            seq.num_computed_tokens = 6
+            scheduler.add_ready(seq)
+        chunks = scheduler.schedule()
+        batches.append([(c.seq.request_id, c.num_new_tokens) for c in chunks])
+        for chunk in chunks:
+            seq = chunk.seq
+            seq.num_computed_tokens += chunk.num_new_tokens
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.output_token_ids.append(9)
+            if len(seq.output_token_ids) >= params.max_tokens:
+                scheduler.remove(seq)
+    scheduler.allocator.assert_all_free()
+    return batches
+
+
+def test_the_decode_batches_follow_the_arrival_order_not_the_landing_order():
+    # Four requests reached the cluster at t=1..4; their imports land at steps 0, 0, 2, 2
+    # and at most 3 sequences decode at once.
+    first = {0: [("a", 1.0), ("b", 2.0)], 2: [("c", 3.0), ("d", 4.0)]}
+    swapped = {0: [("b", 2.0), ("a", 1.0)], 2: [("d", 4.0), ("c", 3.0)]}
+    # Each has one token decided and decodes three more.
+    expected = [
+        [("a", 1), ("b", 1)],
+        [("a", 1), ("b", 1)],
+        [("a", 1), ("b", 1), ("c", 1)],  # one seat left: c, which arrived first, takes it
+        [("c", 1), ("d", 1)],
+        [("c", 1), ("d", 1)],
+        [("d", 1)],
+        *[[]] * 6,
+    ]
+    assert replay_decode(first) == expected
+    assert replay_decode(swapped) == expected
