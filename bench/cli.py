@@ -42,6 +42,7 @@ def add_bench_parser(sub) -> None:
     engine.set_defaults(func=_run_engine_bench)
     from bench.bandwidth_sweep import add_bandwidth_parser
     from bench.compare import add_compare_parser
+    from bench.compare_servers import add_compare_servers_parser
     from bench.serve_bench import add_serve_bench_parser
     from bench.sweep import add_sweep_parser
     from bench.transfer_bench import add_transfer_parser
@@ -50,6 +51,7 @@ def add_bench_parser(sub) -> None:
     add_serve_bench_parser(kinds)
     add_sweep_parser(kinds)
     add_compare_parser(kinds)
+    add_compare_servers_parser(kinds)
     add_bandwidth_parser(kinds)
 
 

@@ -1,0 +1,198 @@
+"""`pdserve bench compare-servers`: vLLM and pdserve on one machine, one after the other,
+driven by the same client, with every figure as a ratio against vLLM's best.
+
+A comparison's life: for each server in `--servers` (vLLM's CPU build from
+`make peers-vllm`, in float32 and at its default dtype; pdserve colocated on every
+core; pdserve disaggregated, one prefill and one decode worker on a core each), start
+it on the next port, wait until it answers, run every `--concurrency` point
+`--repeats` times with `pdserve bench serve`'s runner (each run with its own warm-up
+and prompts), stop it, and go on to the next. The table gives medians; the ratios are
+against the best vLLM configuration at that point, measured in the same sitting.
+
+vLLM is started the way docs/peers say it must be here: `VLLM_CPU_OMP_THREADS_BIND`
+on every core (it pins itself to one core on 2 vCPUs otherwise), the KV cache in
+`VLLM_CPU_KVCACHE_SPACE`, no hub access. Its startup (~135 s, mostly compilation) is
+not part of any figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+
+from bench.report import machine_info
+from bench.serve_bench import add_run_args, add_workload_args, expand_points, run_points
+from bench.server_process import ServerProcess, free_port
+
+VLLM_PYTHON = Path(".peers/vllm/bin/python")
+SERVERS = ("vllm-fp32", "vllm-default", "pdserve-colocated", "pdserve-disaggregated")
+_STARTUP_S = 900.0
+
+
+@dataclass
+class Started:
+    url: str
+    stop: callable
+    startup_s: float
+
+
+def start_server(name: str, args) -> Started:
+    cores = os.cpu_count() or 1
+    begun = time.monotonic()
+    if name.startswith("vllm"):
+        url, stop = _start_vllm(name, args, cores)
+    else:
+        mode = name.removeprefix("pdserve-")
+        flags = ["--model", args.model_dir or "demo", "--mode", mode, "--dtype", args.dtype]
+        if mode == "colocated":
+            flags += ["--threads-per-worker", str(cores)]
+        process = ServerProcess(flags + list(args.pdserve_arg), startup_timeout_s=_STARTUP_S)
+        url, stop = process.url, process.stop
+    return Started(url, stop, time.monotonic() - begun)
+
+
+def _start_vllm(name: str, args, cores: int):
+    if not VLLM_PYTHON.exists():
+        raise SystemExit("vLLM's CPU build is not installed: run `make peers-vllm` first")
+    from engine.demo_model import resolve_model
+
+    model_dir, model_id = resolve_model(args.model_dir or "demo")
+    port = free_port()
+    command = [
+        str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+        "--served-model-name", model_id, "--port", str(port), "--max-model-len", "2048",
+    ]  # fmt: skip
+    if name == "vllm-fp32":
+        command += ["--dtype", "float32"]
+    env = {
+        **os.environ,
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
+        "VLLM_CPU_KVCACHE_SPACE": "4",
+        "HF_HUB_OFFLINE": "1",
+    }
+    log = open(f"/tmp/pdserve-compare-{name}-{port}.log", "w")  # noqa: SIM115 - closed in stop()
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + _STARTUP_S
+    while not _healthy(url):
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"{name} did not start; see {log.name}")
+        time.sleep(2)
+
+    def stop():
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
+
+    return url, stop
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return requests.get(f"{url}/v1/models", timeout=2).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+async def measure(name: str, args, maker) -> dict:
+    started = start_server(name, args)
+    try:
+        point_args = argparse.Namespace(
+            **{**vars(args), "url": started.url, "endpoint": "completions"}
+        )
+        from bench.loadgen import served_model_id
+
+        model = await served_model_id(started.url)
+        points = expand_points(point_args, model)
+        entries = await run_points(
+            points, maker, args.repeats, printer=lambda text: print(f"[{name}] {text}")
+        )
+    finally:
+        started.stop()
+    return {"server": name, "startup_s": round(started.startup_s, 1), "points": entries}
+
+
+FIGURES = (
+    ("output tok/s", "output_throughput", 1.0, "{:.1f}"),
+    ("TTFT p50 ms", "ttft_p50_s", 1000.0, "{:.0f}"),
+    ("TPOT p50 ms", "tpot_p50_s", 1000.0, "{:.1f}"),
+    ("ITL p99 ms", "itl_p99_s", 1000.0, "{:.0f}"),
+)
+
+
+def format_table(results: list[dict]) -> str:
+    """Medians per server and point, each with its ratio against vLLM's best there."""
+    labels = [p["label"] for p in results[0]["points"]]
+    lines = []
+    for index, label in enumerate(labels):
+        lines.append(f"\n{label}")
+        vllm = [r["points"][index]["summary"] for r in results if r["server"].startswith("vllm")]
+        best = max(vllm, key=lambda s: s.get("output_throughput") or 0) if vllm else None
+        header = f"{'server':<24}" + "".join(f"{name:>22}" for name, *_ in FIGURES)
+        lines.append(header)
+        for result in results:
+            summary = result["points"][index]["summary"]
+            cells = [_cell(summary, best, key, scale, fmt) for _, key, scale, fmt in FIGURES]
+            lines.append(f"{result['server']:<24}" + "".join(f"{c:>22}" for c in cells))
+    lines.append("\n(x vLLM) = this figure / the best vLLM configuration's at that point")
+    return "\n".join(lines)
+
+
+def _cell(summary: dict, best: dict | None, key: str, scale: float, fmt: str) -> str:
+    value = summary.get(key)
+    if value is None:
+        return "-"
+    text = fmt.format(value * scale)
+    if best is not None and best.get(key):
+        text += f" ({value / best[key]:.2f}x)"
+    return text
+
+
+def add_compare_servers_parser(kinds) -> None:
+    parser = kinds.add_parser(
+        "compare-servers",
+        help="vLLM's CPU build and pdserve (colocated, disaggregated) side by side, same client",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--servers",
+        default=",".join(SERVERS),
+        help=f"comma list, in order, of {', '.join(SERVERS)}",
+    )
+    parser.add_argument(
+        "--model-dir", default=None, help="model for both (default: the demo model)"
+    )
+    parser.add_argument("--dtype", default="auto", help="pdserve --dtype (vLLM: per server name)")
+    parser.add_argument(
+        "--pdserve-arg", action="append", default=[], help="extra `pdserve serve` flag (repeatable)"
+    )
+    parser.add_argument("--tokenizer", default="demo", help="'demo' or a tokenizer directory")
+    add_workload_args(parser)
+    add_run_args(parser)
+    parser.set_defaults(func=_run, concurrency="1,16")
+
+
+def _run(args: argparse.Namespace) -> int:
+    from bench.prompt_text import PromptMaker
+
+    args.api_key, args.model = None, None
+    maker = PromptMaker.from_arg(args.tokenizer)
+    results = [asyncio.run(measure(name, args, maker)) for name in args.servers.split(",")]
+    print(format_table(results))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"machine": machine_info(), "servers": results}, handle, indent=2)
+    return 0
