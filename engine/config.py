@@ -49,12 +49,16 @@ class ModelSettings:
     `auto` (the fastest one available)."""
     cuda_graphs: bool = True
     """Replay captured CUDA graphs for decode steps (CUDA devices only; ignored on CPU)."""
+    prefix_caching: bool = True
+    """Reuse the KV of full blocks a previous request already computed for the same prefix
+    (`--no-prefix-caching` turns it off: every prompt is computed and moved whole)."""
 
     def __post_init__(self) -> None:
         _check_choice("kernels", self.kernels, KERNEL_CHOICES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_CHOICES)
-        if not isinstance(self.cuda_graphs, bool):
-            raise ValueError(f"cuda_graphs must be true or false, got {self.cuda_graphs!r}")
+        for name in ("cuda_graphs", "prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.dtype != "auto" and self.dtype not in TORCH_DTYPES:
             raise ValueError(
                 f"dtype must be 'auto' or one of {sorted(TORCH_DTYPES)}, got {self.dtype!r}"

@@ -431,6 +431,7 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=len(seq.output_token_ids),
             prefilled=prefilled,
+            num_cached_tokens=seq.num_cached_tokens,
         )
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:

@@ -111,3 +111,5 @@ class SequenceOutput:
     num_output_tokens: int
     prefilled: bool = False
     """True when a `stop_after_prefill` sequence is ready for KV export."""
+    num_cached_tokens: int = 0
+    """`Sequence.num_cached_tokens`: KV this engine's prefix cache held at admission."""

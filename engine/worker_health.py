@@ -13,6 +13,7 @@ import time
 from engine.engine_loop import EngineLoop
 from engine.gpu_stats import read_gpu_stats
 from engine.llm_engine import LLMEngine
+from engine.step_costs import fit_step_costs
 from engine.worker_messages import HealthReport
 
 
@@ -47,6 +48,8 @@ def health_report(
         transfer=transfer,
         last_transfer=dict(last_transfer or {}),
         startup=dict(startup or {}),
+        prefix_cache=engine.cache_report(),
+        step_costs=fit_step_costs(engine.step_trace),
     )
 
 

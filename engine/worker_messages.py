@@ -48,6 +48,8 @@ class PrefillResult:
     """From then until the first token was sampled."""
     export_s: float
     """From the first token until the export ticket was ready (0 when none)."""
+    num_cached_tokens: int = 0
+    """Prompt tokens this worker's prefix cache already held: not computed again."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,11 @@ class ImportEvent:
     transfer_s: float
     """Moving the bytes (the receiver's fetch)."""
     worker_id: str
+    reused_blocks: int = 0
+    """Leading blocks of the export the decode worker's prefix cache already held: not
+    moved (its hits, stated in the pull)."""
+    moved_blocks: int = 0
+    """Blocks the transfer wrote (`num_bytes` = moved_blocks x block bytes)."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +97,9 @@ class TokenEvent:
     finished: bool
     finish_reason: str | None
     num_output_tokens: int
+    num_cached_tokens: int = 0
+    """Tokens the decode worker took from its prefix cache when it computed this
+    request's KV itself (no ticket: decode-side prefill, recovery); 0 otherwise."""
 
 
 @dataclass(frozen=True)
@@ -134,3 +144,9 @@ class HealthReport:
     last_transfer: dict[str, str] = field(default_factory=dict)
     """Decode workers: prefill worker id -> how its last request's KV arrived
     (a transport name, or `recomputed` when it was prefilled here instead)."""
+    prefix_cache: Any | None = None
+    """`engine.prefix_cache.CacheReport`: the block hashes held and hit counters (None
+    with prefix caching off). The cache-aware router scores prompts against it."""
+    step_costs: Any | None = None
+    """`engine.step_costs.StepCosts`: this engine's measured step time per prefill
+    token and per decode sequence (None until it has run such steps)."""

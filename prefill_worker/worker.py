@@ -157,6 +157,7 @@ class PrefillWorker:
             queue_s=scheduled - arrived,
             prefill_s=first_token - scheduled,
             export_s=exported - first_token if exported is not None else 0.0,
+            num_cached_tokens=seq.num_cached_tokens,
         )
 
     def _exporter(self, peer_id: str):

@@ -1,15 +1,22 @@
 """Property: whatever mix of requests, imports, exports, aborts and preemptions an engine
-sees, every KV block is either free or owned by exactly one live sequence or one
-export lease, and everything comes back when the work is gone.
+sees, every KV block is either free or owned, and its reference count is exactly the
+number of its owners (live sequences and export leases), and everything comes back
+when the work is gone.
 
-Runs the real `LLMEngine` (tiny random model, a 24-block pool so that preemption
-happens) under hypothesis' stateful testing.
+With the prefix cache on, prompts share prefixes, so blocks are shared: a block with
+two or more owners must be a published (cached) one, a cached block nobody references
+is "free but cached" (evictable, never owned), and an eviction never hands out a block
+that is still referenced (the allocator asserts it).
+
+Runs the real `LLMEngine` (tiny random model, a 24-block pool so that preemption and
+eviction happen) under hypothesis' stateful testing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+from collections import Counter
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -32,6 +39,13 @@ POOL_BLOCKS = 24
 ENGINE = {}
 IDS = itertools.count()
 """Request ids stay unique across examples: the engine remembers aborted ones."""
+PREFIXES = [[(11 * i + 7 * k) % 300 + 3 for i in range(40)] for k in range(3)]
+"""Prompts start with one of these (or nothing), so the prefix cache has hits."""
+
+
+def prompt_for(prefix: int, shared: int, length: int, salt: int) -> list[int]:
+    head = PREFIXES[prefix][:shared] if prefix < len(PREFIXES) else []
+    return (head + [(5 * i + salt) % 300 + 3 for i in range(length)])[: max(length, 1)]
 
 
 def engine_for(model_dir):
@@ -73,22 +87,30 @@ class BlockOwnership(RuleBasedStateMachine):
         prompt_len=st.integers(1, 60),
         max_tokens=st.integers(1, 40),
         prefill_only=st.booleans(),
+        prefix=st.integers(0, 3),
+        shared=st.integers(0, 40),
     )
-    def add(self, prompt_len, max_tokens, prefill_only):
+    def add(self, prompt_len, max_tokens, prefill_only, prefix, shared):
         request_id = self._new_id()
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        prompt = [(5 * i + self.counter) % 300 + 3 for i in range(prompt_len)]
+        prompt = prompt_for(prefix, shared, prompt_len, self.counter)
         with contextlib.suppress(InvalidRequestError):  # too big for the pool: refused up front
             self.engine.add_request(request_id, prompt, params, stop_after_prefill=prefill_only)
         return request_id
 
-    @rule(target=ids, prompt_len=st.integers(1, 60), max_tokens=st.integers(1, 40))
-    def begin_import(self, prompt_len, max_tokens):
+    @rule(
+        target=ids,
+        prompt_len=st.integers(1, 60),
+        max_tokens=st.integers(1, 40),
+        prefix=st.integers(0, 3),
+        shared=st.integers(0, 40),
+    )
+    def begin_import(self, prompt_len, max_tokens, prefix, shared):
         request_id = self._new_id()
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        prompt = [(3 * i + self.counter) % 300 + 3 for i in range(prompt_len)]
+        prompt = prompt_for(prefix, shared, prompt_len, 3 * self.counter)
         with contextlib.suppress(InvalidRequestError):
-            self.engine.begin_import(request_id, prompt, [7], params, prompt_len)
+            self.engine.begin_import(request_id, prompt, [7], params, len(prompt))
         return request_id
 
     @rule()
@@ -128,17 +150,26 @@ class BlockOwnership(RuleBasedStateMachine):
             self.engine.release_blocks(blocks)
 
     @invariant()
-    def every_block_has_exactly_one_owner(self):
+    def every_block_is_free_or_counted_once_per_owner(self):
         if not hasattr(self, "engine"):
             return
         owned = [b for seq in self.engine.sequences.values() for b in seq.block_ids]
         owned += [b for blocks in self.lent for b in blocks]
-        allocator = self.engine.allocator
-        assert len(owned) == len(set(owned)), "a block has two owners"
+        owners = Counter(owned)
+        allocator, cache = self.engine.allocator, self.engine.allocator.cache
         free = set(allocator.free_ids)
-        assert not free & set(owned), "a free block is owned"
-        assert len(free) + len(owned) == POOL_BLOCKS, "a block is neither free nor owned"
-        assert all(allocator.ref_counts[b] == 1 for b in owned)
+        parked = set(cache.evictable)
+        assert len(free) == len(allocator.free_ids), "a block is on the free list twice"
+        assert not free & parked, "a block is both plain free and cached free"
+        assert not (free | parked) & set(owners), "a free block is owned"
+        assert len(free) + len(parked) + len(owners) == POOL_BLOCKS, "a block is lost"
+        assert all(allocator.ref_counts[b] == n for b, n in owners.items())
+        assert all(allocator.ref_counts[b] == 0 for b in free | parked)
+        assert all(cache.is_cached(b) for b in parked), "an evictable block is not cached"
+        shared = [b for b, n in owners.items() if n > 1]
+        assert all(cache.is_cached(b) for b in shared), "an unpublished block is shared"
+        for seq in self.engine.sequences.values():
+            assert len(seq.block_ids) == len(set(seq.block_ids)), "a sequence holds a block twice"
         for seq in self.engine.sequences.values():
             if seq.status == SequenceStatus.IMPORTING and not seq.block_ids:
                 assert seq in self.engine.scheduler.importing
