@@ -4,7 +4,9 @@ Lifecycle of a request here (`generate`, a streaming call):
     with a ticket: `begin_import` makes the sequence IMPORTING in the engine, where it
       waits (abortably) for free blocks while the sender's lease is kept alive
     -> the engine thread reserves its blocks and starts the transfer on a fetch
-       thread, which writes straight into them; when the bytes stop landing, the
+       thread, which writes straight into them (the leading blocks this worker's
+       prefix cache already holds are shared, not pulled: the pull asks for the
+       rest only, and with none missing nothing moves); when the bytes stop landing, the
        engine thread settles the import (`finish_import`) and streams an ImportEvent
     -> on failure: `on_transfer_failure: recompute` prefills the prompt here into the
        same blocks, or `fail` ends the request with an ErrorEvent
@@ -194,14 +196,27 @@ class DecodeWorker:
                 engine.finish_import(seq.request_id, ok=False, recompute=False)
                 continue
             admission_s = clock.now() - seq.arrival_time
-            self.fetch_pool.submit(self._fetch, ticket, list(seq.block_ids), admission_s)
+            # The leading blocks the prefix cache already holds are not pulled: the pull
+            # names only the missing ones (the export's tail).
+            held = seq.num_cached_tokens // engine.config.block_size
+            missing = list(seq.block_ids[held:])
+            if not missing:
+                self._finish_import(
+                    engine, ticket, _nothing_to_move(ticket, self.receiver), admission_s, held
+                )
+                continue
+            self.fetch_pool.submit(self._fetch, ticket, missing, held, admission_s)
 
-    def _fetch(self, ticket, block_ids: list[int], admission_s: float) -> None:
+    def _fetch(self, ticket, block_ids: list[int], held: int, admission_s: float) -> None:
         """On a fetch thread: move the bytes, then settle the import on the engine thread."""
-        result = self.receiver.fetch(ticket, block_ids, self.spec.transfer_timeout_s)
-        self.loop.post(lambda e: self._finish_import(e, ticket, result, admission_s))
+        result = self.receiver.fetch(
+            ticket, block_ids, self.spec.transfer_timeout_s, held_blocks=held
+        )
+        self.loop.post(lambda e: self._finish_import(e, ticket, result, admission_s, held))
 
-    def _finish_import(self, engine: LLMEngine, ticket, result, admission_s: float) -> None:
+    def _finish_import(
+        self, engine: LLMEngine, ticket, result, admission_s: float, held: int = 0
+    ) -> None:
         recompute = self.spec.on_transfer_failure == "recompute"
         engine.finish_import(ticket.request_id, result.ok, recompute)
         fallback = "recomputed" if recompute else "failed"
@@ -216,6 +231,8 @@ class DecodeWorker:
             admission_s,
             result.seconds,
             self.worker_id,
+            reused_blocks=held,
+            moved_blocks=len(ticket.block_ids) - held if result.ok else 0,
         )
         self.loop.deliver(ticket.request_id, event)
 
@@ -276,4 +293,12 @@ def _token_event(output: SequenceOutput) -> TokenEvent:
         output.finished,
         output.finish_reason,
         output.num_output_tokens,
+        output.num_cached_tokens,
     )
+
+
+def _nothing_to_move(ticket, receiver):
+    """The outcome of an import whose every block was a prefix-cache hit."""
+    from kv_transfer.base import TransferResult, TransferState
+
+    return TransferResult(ticket.request_id, TransferState.DONE, receiver.name)

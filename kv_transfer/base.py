@@ -7,10 +7,11 @@ Lifecycle of one request's KV, prefill side (sender) to decode side (receiver):
     engine finishes the prompt, takes the blocks
     ticket = sender.export(request_id, ...)  ---> ticket (plain JSON-able dataclass,
       blocks pinned under a lease                  travels in the Ray call / RPC)
-                                                  dst = engine.reserve_blocks(...)
-                                                  result = receiver.fetch(ticket, dst)
+                                                  dst = engine.reserve_imports(...), less
+                                                    the blocks its prefix cache holds
+                                                  result = receiver.fetch(ticket, dst, held)
       (heartbeats extend the lease)  <---------   ... bytes move over the transport ...
-    sender.ack(request_id) on success  <-------   result.state == DONE -> engine.add_prefilled
+    sender.ack(request_id) on success  <-------   result.state == DONE -> engine.finish_import
       blocks come back via poll_released()        on failure: engine.release_blocks(dst)
     lease expiry / abort also release them
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from engine.kv_cache import KVCachePool, KVLayout
@@ -78,6 +79,17 @@ class ExportTicket:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def tail(self, held_blocks: int) -> ExportTicket:
+        """The part of this export a receiver still needs when its prefix cache already
+        holds the first `held_blocks` blocks (they are the leading ones: a prefix)."""
+        if not 0 <= held_blocks < len(self.block_ids):
+            raise ValueError(f"[request {self.request_id}] cannot skip {held_blocks} blocks")
+        return replace(
+            self,
+            block_ids=self.block_ids[held_blocks:],
+            checksums=self.checksums[held_blocks:],
+        )
 
     @classmethod
     def from_dict(cls, data: dict) -> ExportTicket:
@@ -184,12 +196,20 @@ class KVReceiver(ABC):
 
     @abstractmethod
     def fetch(
-        self, ticket: ExportTicket, dst_block_ids: list[int], timeout_s: float
+        self,
+        ticket: ExportTicket,
+        dst_block_ids: list[int],
+        timeout_s: float,
+        held_blocks: int = 0,
     ) -> TransferResult:
         """Called by the decode worker after reserving `dst_block_ids`; blocks until the
         blocks are written (DONE) or the transfer failed. Never raises for transfer
         failures: they come back as a result with state < PENDING and a reason. On
-        failure the caller frees `dst_block_ids`."""
+        failure the caller frees `dst_block_ids`.
+
+        `held_blocks`: the decode side's prefix cache already holds the export's first
+        `held_blocks` blocks, so only the others move, one per `dst_block_ids` entry
+        (the pull asks for the export's tail: `len(dst_block_ids)` blocks)."""
 
     def cancel(self, request_id: str) -> None:
         """Called by the decode worker when a request is aborted while its fetch runs (on

@@ -45,6 +45,15 @@ def block_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, i
     return runs
 
 
+def requested_blocks(export_block_ids: list[int], num_wanted: int) -> list[int] | None:
+    """The sender's blocks a pull for `num_wanted` blocks reads: the export's last ones
+    (a receiver whose prefix cache holds the leading blocks asks only for the rest).
+    None when it asks for none, or for more than were exported."""
+    if not 0 < num_wanted <= len(export_block_ids):
+        return None
+    return export_block_ids[len(export_block_ids) - num_wanted :]
+
+
 def plan_pieces(
     src_ids: list[int], dst_ids: list[int], block_nbytes: int, chunk_bytes: int
 ) -> list[Piece]:

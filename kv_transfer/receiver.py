@@ -80,11 +80,16 @@ class TransportReceiver(KVReceiver):
         the caller verifies the rest, but blocks still in cache are cheaper to sum)."""
 
     def fetch(
-        self, ticket: ExportTicket, dst_block_ids: list[int], timeout_s: float
+        self,
+        ticket: ExportTicket,
+        dst_block_ids: list[int],
+        timeout_s: float,
+        held_blocks: int = 0,
     ) -> TransferResult:
         start = time.monotonic()
         result = TransferResult(ticket.request_id, TransferState.FAILED, self.name)
         try:
+            ticket = ticket.tail(held_blocks) if held_blocks else ticket
             remaining(start + timeout_s, ticket)
             check_layout(ticket, self.pool.layout, ticket.sender_id)
             if len(dst_block_ids) != len(ticket.block_ids):

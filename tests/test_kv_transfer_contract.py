@@ -40,7 +40,9 @@ def prefill_peer(tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def decode_engine(tiny_llama_dir):
-    return make_engine(tiny_llama_dir, num_kv_blocks=64)
+    # Every case imports the same prompt: without a prefix cache each pulls all of it
+    # (pulling only missing blocks is tests/test_prefix_reuse_transfer.py).
+    return make_engine(tiny_llama_dir, num_kv_blocks=64, prefix_caching=False)
 
 
 def _import_and_decode(engine, receiver, ticket: ExportTicket, prompt, first_tokens):

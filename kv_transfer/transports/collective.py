@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from engine.kv_cache import KVCachePool
 from kv_transfer.base import ExportTicket, FailureReason, KVTransferError
-from kv_transfer.blockio import Piece, flat_bytes, plan_pieces, total_bytes
+from kv_transfer.blockio import Piece, flat_bytes, plan_pieces, requested_blocks, total_bytes
 from kv_transfer.config import TransportOptions
 from kv_transfer.control import (
     ChannelClosed,
@@ -137,7 +137,13 @@ class CollectiveServer:
         shaper = Shaper(self.options.bandwidth_bytes_per_s, self.options.added_latency_s)
         piece_bytes = shaper.piece_bytes(self.options.chunk_bytes)
         block_nbytes = self.sender.pool.layout.block_nbytes
-        pieces = plan_pieces(record.block_ids, request["dst_block_ids"], block_nbytes, piece_bytes)
+        dst = list(request["dst_block_ids"])
+        src = requested_blocks(record.block_ids, len(dst))
+        if src is None:
+            self.sender.registry.end_transfer(request_id, 0, FailureReason.INTERNAL)
+            send_message(conn, {"ok": False, "reason": "internal"})
+            return
+        pieces = plan_pieces(src, dst, block_nbytes, piece_bytes)
         send_message(conn, {"ok": True, "piece_bytes": piece_bytes})
         failure = FailureReason.PEER_DIED
         try:

@@ -21,7 +21,7 @@ import torch
 
 from engine.kv_cache import KVCachePool
 from kv_transfer.base import ExportTicket, FailureReason
-from kv_transfer.blockio import flat_bytes, plan_pieces, total_bytes
+from kv_transfer.blockio import flat_bytes, plan_pieces, requested_blocks, total_bytes
 from kv_transfer.config import TransportOptions
 from kv_transfer.faults import DropTransfer, FaultPlan
 from kv_transfer.integrity import BlockVerifier
@@ -76,7 +76,9 @@ class _Servicer(pb_grpc.KVTransferServicer):
             yield _error(FailureReason.UNKNOWN_REQUEST, "export is gone (acked, expired, aborted)")
             return
         dst = list(request.dst_block_ids)
-        if len(dst) != len(record.block_ids):
+        src = requested_blocks(record.block_ids, len(dst))
+        if src is None:
+            self.sender.registry.end_transfer(request.request_id, 0, FailureReason.INTERNAL)
             yield _error(
                 FailureReason.INTERNAL, f"{len(dst)} dst blocks for {len(record.block_ids)}"
             )
@@ -84,7 +86,7 @@ class _Servicer(pb_grpc.KVTransferServicer):
         shaper = Shaper(self.options.bandwidth_bytes_per_s, self.options.added_latency_s)
         block_nbytes = self.sender.pool.layout.block_nbytes
         piece_bytes = min(shaper.piece_bytes(self.options.chunk_bytes), MESSAGE_BYTES)
-        pieces = plan_pieces(record.block_ids, dst, block_nbytes, piece_bytes)
+        pieces = plan_pieces(src, dst, block_nbytes, piece_bytes)
         failure = FailureReason.PEER_DIED  # until proven otherwise: the client went away
         try:
             yield from self._stream(request.request_id, pieces, shaper)
