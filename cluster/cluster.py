@@ -31,6 +31,7 @@ from engine import envs
 from engine.block_manager import blocks_needed
 from engine.demo_model import resolve_model
 from engine.errors import InvalidRequestError
+from engine.kv_cache import KVLayout
 from engine.model_spec import load_model_spec
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
@@ -55,18 +56,30 @@ class PDCluster:
         self.config = config
         model_dir, self.model_id = resolve_model(config.model)
         self.tokenizer = Tokenizer(model_dir)
-        context = load_model_spec(model_dir, self.model_id).context_window
+        spec = load_model_spec(model_dir, self.model_id)
+        context = spec.context_window
         self.max_model_len = min(config.max_model_len or context, context)
         config.check_pools(self.max_model_len)
         self.controller = Controller(config)
         self.router = Router(config.router_policy, self.controller.workers)
         self.flow = RequestFlow(config, self.router, self.controller.mark_dead)
+        self.flow.disaggregation.costs.block_bytes = KVLayout.for_model(
+            spec, config.engine_config("decode").torch_dtype, config.block_size
+        ).block_nbytes
         self.on_finish: list[Callable[[ClusterRequest], None]] = [
-            lambda req: self.flow.costs.observe(req.timeline)
+            lambda req: self.flow.costs.observe(req.timeline),
+            lambda req: self.flow.disaggregation.costs.observe(req.timeline),
+            self._remember_decoded,
         ]
         """Observers (metrics, the recovery cost model), called once per request however
         it ended (finished, failed, cancelled, timed out), with the closed request."""
         self._ids = itertools.count()
+
+    def _remember_decoded(self, req: ClusterRequest) -> None:
+        """Its decode worker now caches the prompt and all outputs but the last (whose KV
+        was never computed): the conversation's next turn is routed there."""
+        tokens = req.prompt_ids + req.decided[:-1]
+        self.router.remember_decoded(req.timeline.decode_worker, tokens)
 
     async def start(self) -> PDCluster:
         await self.controller.start()

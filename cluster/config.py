@@ -19,8 +19,9 @@ from engine.worker_spec import TransferFailurePolicy, WorkerRole, WorkerSpec
 
 Mode = Literal["disaggregated", "colocated"]
 TransportName = Literal["auto", "shm", "collective", "grpc", "local"]
-RouterPolicy = Literal["round_robin", "least_loaded", "power_of_two"]
+RouterPolicy = Literal["round_robin", "least_loaded", "power_of_two", "cache_aware"]
 FirstTokenFrom = Literal["prefill", "decode"]
+DisaggregationMode = Literal["always", "never", "auto"]
 
 
 class ConfigError(ValueError):
@@ -51,7 +52,12 @@ class ClusterConfig(ModelSettings):
     transport_options: dict = field(default_factory=dict)
     """Passed to the transport (chunk size, bandwidth cap, faults...)."""
     router_policy: RouterPolicy = "least_loaded"
-    """How the router picks workers: round_robin, least_loaded, power_of_two."""
+    """How the router picks workers: round_robin, least_loaded, power_of_two, or cache_aware
+    (the worker already holding most of the prompt's prefix, within a load bound)."""
+    disaggregation: DisaggregationMode = "always"
+    """Where prompts are prefilled in disaggregated mode: `always` on a prefill worker (KV
+    moved), `never` on the decode worker, `auto` per request, whichever the measured costs
+    predict sooner (prefill queue and time, KV transfer, interference with decoding)."""
     first_token_from: FirstTokenFrom = "prefill"
     """`prefill`: stream the first token as soon as prefill samples it; `decode`: after import."""
     on_transfer_failure: TransferFailurePolicy = "recompute"

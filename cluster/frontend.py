@@ -321,7 +321,7 @@ class OpenAIHandler:
             text.append(chunk.text)
             last = chunk
         assert last is not None
-        usage = _usage(len(req.prompt_ids), last.num_output_tokens)
+        usage = _usage(len(req.prompt_ids), last.num_output_tokens, req.timeline.cached_tokens)
         if parsed.kind == "chat":
             choice = {
                 "index": 0,
@@ -351,13 +351,16 @@ class OpenAIHandler:
                 body["choices"] = [_delta_choice(parsed, chunk, first)]
                 first = False
                 if parsed.continuous_usage:
-                    body["usage"] = _usage(num_prompt, chunk.num_output_tokens)
+                    body["usage"] = _usage(
+                        num_prompt, chunk.num_output_tokens, req.timeline.cached_tokens
+                    )
                 if chunk.finished:
                     body["pdserve_timings"] = chunk.timings
                 yield format_sse_event(data_str=json.dumps(body))
                 if chunk.finished and parsed.include_usage:
                     usage = _envelope(req.request_id, parsed, final=False)
-                    usage.update(choices=[], usage=_usage(num_prompt, chunk.num_output_tokens))
+                    totals = _usage(num_prompt, chunk.num_output_tokens, req.timeline.cached_tokens)
+                    usage.update(choices=[], usage=totals)
                     yield format_sse_event(data_str=json.dumps(usage))
         except ApiError as exc:
             yield format_sse_event(data_str=json.dumps(exc.body()))
@@ -427,9 +430,11 @@ def _delta_choice(parsed: ParsedRequest, chunk: GenerationChunk, first: bool) ->
     return {"index": 0, "text": chunk.text, "finish_reason": chunk.finish_reason, "logprobs": None}
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> dict:
+    """OpenAI's usage object; `cached_tokens`: prompt tokens served from a prefix cache."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens or 0},
     }

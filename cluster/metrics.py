@@ -51,6 +51,8 @@ LATENCY_BUCKETS = (
 TRANSFER_BUCKETS = (0.0001, 0.00025, 0.0005, *LATENCY_BUCKETS[:-3])
 # 1 MB/s (a stalled TCP fallback) to 100 GB/s (NVLink).
 BANDWIDTH_BUCKETS = (1e6, 1e7, 5e7, 1e8, 2.5e8, 5e8, 1e9, 2.5e9, 5e9, 1e10, 2.5e10, 5e10, 1e11)
+FRACTION_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
+SCORE_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 OUTCOMES = ("ok", "error", "rejected", "timeout", "cancelled")
 ENDPOINTS = ("completions", "chat")
 LINK = ("transport", "src", "dst")
@@ -107,6 +109,7 @@ class ClusterMetrics:
             ["kind"],
             registry=r,
         )
+        self._add_reuse_metrics(r)
         for outcome in OUTCOMES:
             for endpoint in ENDPOINTS:
                 self.requests.labels(outcome, endpoint)
@@ -147,6 +150,68 @@ class ClusterMetrics:
             registry=r,
         )
 
+    def _add_reuse_metrics(self, r: CollectorRegistry) -> None:
+        self.cached_tokens = Counter(
+            "pdserve_prefix_cache_cached_tokens_total",
+            "Prompt tokens served from a prefix cache where the prompt was computed "
+            "(usage's cached_tokens)",
+            registry=r,
+        )
+        self.reused_blocks = Counter(
+            "pdserve_kv_blocks_reused_total",
+            "KV blocks a decode worker already held (its prefix cache) and did not pull",
+            ["dst"],
+            registry=r,
+        )
+        self.bytes_saved = Counter(
+            "pdserve_kv_bytes_saved_total",
+            "KV bytes not moved thanks to decode-side reuse",
+            ["dst"],
+            registry=r,
+        )
+        self.route_decisions = Counter(
+            "pdserve_router_decisions_total",
+            "cache_aware routing decisions by role and reason (cache, load, balance)",
+            ["role", "reason"],
+            registry=r,
+        )
+        self.route_overlap = Histogram(
+            "pdserve_router_cached_fraction",
+            "Share of the prompt's blocks the chosen worker held, per routing decision",
+            ["role"],
+            buckets=FRACTION_BUCKETS,
+            registry=r,
+        )
+        self.route_score = Histogram(
+            "pdserve_router_score_blocks",
+            "The chosen worker's cache_aware score (blocks still to do + blocks claimed)",
+            ["role"],
+            buckets=SCORE_BUCKETS,
+            registry=r,
+        )
+        self.paths = Counter(
+            "pdserve_disaggregation_decisions_total",
+            "Where prompts were prefilled (remote: prefill worker, local: decode worker) "
+            "and why (always, never, auto's cheaper or unmeasured)",
+            ["path", "reason"],
+            registry=r,
+        )
+
+    def _observe_reuse(self, timeline: RequestTimeline) -> None:
+        reuse = timeline.reuse()
+        self.cached_tokens.inc(reuse["cached_tokens"])
+        if reuse["decode_reused_blocks"] and timeline.decode_worker:
+            self.reused_blocks.labels(timeline.decode_worker).inc(reuse["decode_reused_blocks"])
+            self.bytes_saved.labels(timeline.decode_worker).inc(reuse["kv_bytes_saved"])
+        for role, decision in timeline.route.items():
+            self.route_decisions.labels(role, decision["reason"]).inc()
+            blocks = max(1, decision["prompt_blocks"])
+            self.route_overlap.labels(role).observe(decision["cached_blocks"] / blocks)
+            self.route_score.labels(role).observe(decision["score"])
+        if timeline.disaggregation is not None:
+            choice = timeline.disaggregation
+            self.paths.labels(choice["path"], choice["reason"]).inc()
+
     def observe_outcome(self, outcome: str, endpoint: str) -> None:
         """Called by the frontend once per request: at rejection or when its stream ends."""
         self.requests.labels(outcome, endpoint).inc()
@@ -157,6 +222,7 @@ class ClusterMetrics:
         for kind in timeline.recoveries:
             self.recoveries.labels(kind).inc()
         self._observe_transfer(timeline, b)
+        self._observe_reuse(timeline)
         if timeline.first_token is None:
             return  # rejected before any work, or failed before a token: nothing to time
         self.prompt_tokens.inc(timeline.num_prompt_tokens)

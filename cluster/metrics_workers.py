@@ -85,6 +85,27 @@ class _Families:
         self.decode_batch = HistogramMetricFamily(
             "pdserve_decode_batch_size", "Sequences decoded per engine step", labels=WORKER
         )
+        self.cache_queried = CounterMetricFamily(
+            "pdserve_prefix_cache_queried_tokens",
+            "Tokens looked up in the worker's prefix cache (admitted prompts, imports)",
+            labels=WORKER,
+        )
+        self.cache_hits = CounterMetricFamily(
+            "pdserve_prefix_cache_hit_tokens",
+            "Of those, tokens whose KV the cache already held",
+            labels=WORKER,
+        )
+        self.cache_hit_ratio = _gauge(
+            "pdserve_prefix_cache_hit_ratio", "Prefix cache hit tokens / queried tokens so far"
+        )
+        self.cache_blocks = _gauge(
+            "pdserve_prefix_cache_blocks", "Blocks named in the prefix cache (in use or evictable)"
+        )
+        self.cache_evictions = CounterMetricFamily(
+            "pdserve_prefix_cache_evictions",
+            "Cached blocks evicted to make room (LRU, unreferenced only)",
+            labels=WORKER,
+        )
         self.gpu_util = _gauge("pdserve_gpu_utilization_ratio", "GPU busy fraction (NVML)")
         self.gpu_used = _gauge("pdserve_gpu_memory_used_bytes", "GPU memory used (NVML)")
         self.gpu_total = _gauge("pdserve_gpu_memory_total_bytes", "GPU memory size (NVML)")
@@ -104,6 +125,13 @@ class _Families:
         ):
             if sizes is not None:
                 family.add_metric(labels, *_histogram_of(sizes))
+        cache = getattr(load, "prefix_cache", None)
+        if cache is not None:
+            self.cache_queried.add_metric(labels, cache.queried_tokens)
+            self.cache_hits.add_metric(labels, cache.hit_tokens)
+            self.cache_hit_ratio.add_metric(labels, cache.hit_tokens / max(1, cache.queried_tokens))
+            self.cache_blocks.add_metric(labels, cache.cached_blocks)
+            self.cache_evictions.add_metric(labels, cache.evictions)
         if load.gpu:
             self.gpu_util.add_metric(labels, load.gpu["utilization_ratio"])
             self.gpu_used.add_metric(labels, load.gpu["memory_used_bytes"])

@@ -8,6 +8,10 @@ Disaggregated:
     side is acked (blocks freed)
 Colocated:
     router picks a colocated worker -> generate() prefills and decodes in one engine.
+Where the prompt is prefilled (`disaggregation`, cluster/disaggregation.py): `always`
+on the prefill worker, `never` on the decode worker (no prefill pick, no transfer),
+`auto` per request from measured costs, after the pair is picked. Picks pass the
+prompt to the router, so `cache_aware` can send it where its prefix is cached.
 
 Recovery (the client only sees extra latency):
   * prefill worker dies before answering -> prefill again on another one; with no
@@ -35,6 +39,7 @@ from collections.abc import AsyncIterator, Callable
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from cluster.config import ClusterConfig
+from cluster.disaggregation import Disaggregation, PathChoice
 from cluster.recovery_costs import RecoveryCosts
 from cluster.request import (
     ClusterRequest,
@@ -57,6 +62,8 @@ logger = logging.getLogger(__name__)
 
 WORKER_FAILURES = (RayActorError, ActorUnavailableError)
 _PICK_RETRY_S = 0.1
+_PREFILL_ON_DECODE = "prefill_on_decode"
+"""`_prefill_on_some_worker`'s answer when the request is to be prefilled where it decodes."""
 
 
 class RequestFlow:
@@ -76,6 +83,13 @@ class RequestFlow:
         self._recompute_warned: set[tuple[str, str]] = set()
         self.costs = RecoveryCosts()
         """Measured KV bandwidth and prefill rate; the cluster feeds it closed requests."""
+        self.disaggregation = Disaggregation(
+            config.disaggregation,
+            router.views,
+            config.prefill_chunk_size,
+            config.block_size,
+            config.kv_transport_options().bandwidth_bytes_per_s,
+        )
 
     async def run(self, req: ClusterRequest) -> AsyncIterator[GenerationChunk]:
         if self.config.mode == "disaggregated":
@@ -89,7 +103,12 @@ class RequestFlow:
     # --- prefill ----------------------------------------------------------------------
 
     async def _prefill_phase(self, req: ClusterRequest) -> AsyncIterator[GenerationChunk]:
+        if self.disaggregation.mode == "never":
+            req.timeline.disaggregation = PathChoice("local", "never").as_dict()
+            return
         result = await self._prefill_on_some_worker(req)
+        if result == _PREFILL_ON_DECODE:
+            return
         if result is None:  # no prefill worker alive: the decode worker prefills
             req.timeline.recoveries.append("decode_side_prefill")
             req.timeline.recovery_paths.append("decode_side_prefill")
@@ -110,14 +129,20 @@ class RequestFlow:
         else:
             req.pending_first = first
 
-    async def _prefill_on_some_worker(self, req: ClusterRequest) -> PrefillResult | None:
-        """First prefill worker that answers; None when none is alive."""
+    async def _prefill_on_some_worker(self, req: ClusterRequest) -> PrefillResult | str | None:
+        """First prefill worker that answers; None when none is alive; `_PREFILL_ON_DECODE`
+        when `disaggregation: auto` chose the decode worker."""
         while True:
             try:
-                claim = req.claim(self.router.pick("prefill", req.request_id))
+                pick = self.router.pick("prefill", req.request_id, tokens=req.prompt_ids)
             except NoLiveWorkerError:
                 return None
+            claim = req.claim(pick)
             self._pick_decode_peer(req)  # a retry picks both again
+            _note_route(req, claim)
+            if self._prefill_on_decode(req, claim):
+                claim.release()
+                return _PREFILL_ON_DECODE
             worker = claim.worker
             req.hold(worker)
             sent = time.monotonic()
@@ -143,9 +168,17 @@ class RequestFlow:
         if req.decode_pick is not None:
             req.decode_pick.release()
         try:
-            req.decode_pick = self.router.pick("decode", req.request_id)
+            req.decode_pick = self.router.pick("decode", req.request_id, tokens=req.prompt_ids)
         except NoLiveWorkerError:
             req.decode_pick = None
+        else:
+            _note_route(req, req.decode_pick)
+
+    def _prefill_on_decode(self, req: ClusterRequest, claim: Claim) -> bool:
+        decode = req.decode_pick.worker if req.decode_pick is not None else None
+        choice = self.disaggregation.choose(req.prompt_ids, claim.worker, decode)
+        req.timeline.disaggregation = choice.as_dict()
+        return choice.path == "local"
 
     def _prefill_request(self, req: ClusterRequest) -> PrefillRequest:
         peer = req.decode_pick.worker.worker_id if req.decode_pick else ""
@@ -189,7 +222,9 @@ class RequestFlow:
             return req.claim(pick)
         if pick is not None:
             pick.release()
-        return req.claim(await self._pick_waiting(role, req.request_id))
+        claim = await self._pick_waiting(role, req.request_id, req.prompt_ids + req.decided)
+        _note_route(req, claim)
+        return req.claim(claim)
 
     async def _decode_on(self, claim: Claim, req: ClusterRequest):
         worker = claim.worker
@@ -226,6 +261,7 @@ class RequestFlow:
             yield first
         req.decided += item.token_ids
         req.text_len += len(item.text)
+        req.timeline.on_local_prefill(item.num_cached_tokens)
         if item.finished:
             req.let_go(worker)
         yield GenerationChunk(
@@ -237,12 +273,12 @@ class RequestFlow:
             num_output_tokens=item.num_output_tokens,
         )
 
-    async def _pick_waiting(self, role: str, request_id: str) -> Claim:
+    async def _pick_waiting(self, role: str, request_id: str, tokens: list[int]) -> Claim:
         """A live worker of `role`, waiting up to `recovery_timeout_s` for one to come back."""
         deadline = time.monotonic() + self.config.recovery_timeout_s
         while True:
             try:
-                return self.router.pick(role, request_id)
+                return self.router.pick(role, request_id, tokens=tokens)
             except NoLiveWorkerError:
                 if time.monotonic() >= deadline:
                     raise
@@ -285,6 +321,11 @@ class RequestFlow:
         logger.warning("request %s: %s (%s): %r", req.request_id, what, worker.worker_id, exc)
         req.timeline.recoveries.append(what)
         self.on_worker_failure(worker, repr(exc), claim.generation)
+
+
+def _note_route(req: ClusterRequest, claim: Claim) -> None:
+    if claim.decision is not None:
+        req.timeline.route[claim.decision.role] = claim.decision.as_dict()
 
 
 def _request_error(event: ErrorEvent) -> RequestFailedError:

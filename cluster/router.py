@@ -4,6 +4,17 @@ Policies see each worker's last health report (queue depth, free blocks) plus th
 router's own count of requests it sent there and has not seen finish, which is
 fresher than any report. A worker marked dead is never picked.
 
+`cache_aware` also sees what each worker's prefix cache holds (cluster/cache_views.py)
+and scores each candidate in blocks, overlap minus load as in Dynamo's KV router: on a
+prefill (or colocated) worker, the prompt blocks it would still compute plus the blocks
+of prefill already queued there; on a decode worker, the blocks it would still receive
+plus those it lacks the free room for, the requests it decodes breaking ties. The
+pair's score is the sum of its two members' (nothing in it depends on both ends: the
+transfer's size is set by the decode side's hits alone), so each side is minimized on
+its own. Imbalance is bounded as in SGLang's gateway: a worker more than `BALANCE_ABS`
+requests (and `BALANCE_REL` times) above the least loaded one is not a candidate,
+however much of the prompt it holds.
+
 `pick` returns a `Claim`: the request counts against the worker from the pick until
 the claim is released, exactly once, by the request that holds it (see
 cluster/request.py), so the count stays exact across restarts and failures.
@@ -11,13 +22,22 @@ cluster/request.py), so the count stays exact across restarts and failures.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from cluster.cache_views import CacheViews
 from cluster.config import RouterPolicy
 from engine.worker_messages import HealthReport
+
+OVERLAP_WEIGHT = 1.0
+"""Blocks of this prompt still to compute/receive, against blocks already claimed."""
+BALANCE_ABS = 4
+"""Requests a worker may hold above the least loaded candidate and still be chosen..."""
+BALANCE_REL = 1.5
+"""...or this many times the least loaded one's requests, whichever is more."""
 
 
 class NoLiveWorkerError(RuntimeError):
@@ -41,6 +61,9 @@ class WorkerInfo:
     """The worker's last health report (None before its first one)."""
     in_flight: int = 0
     """Requests holding a claim on this worker."""
+    claimed_tokens: int = 0
+    """Tokens of work those claims bring: prompt tokens still to compute on a prefill
+    worker, prompt tokens resident on a decode worker."""
     restarts: int = 0
     """Restarts over the cluster's life (a counter for metrics)."""
     generation: int = 0
@@ -61,18 +84,41 @@ class WorkerInfo:
         return (self.load.queue_depth + self.in_flight, -free)
 
 
+@dataclass(frozen=True)
+class RouteDecision:
+    """Why `cache_aware` picked a worker; it lands in `pdserve_timings.route` and metrics."""
+
+    role: str
+    worker_id: str
+    reason: str
+    """`cache` (its overlap won), `load` (overlap did not tell the candidates apart),
+    `balance` (a candidate holding more was over the imbalance bound)."""
+    cached_blocks: int
+    prompt_blocks: int
+    score: float
+    """Blocks of work: lower won."""
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
 @dataclass
 class Claim:
     """One request's hold on one worker, from `Router.pick` until `release()`."""
 
     worker: WorkerInfo
+    load_tokens: int = 0
+    """Added to the worker's `claimed_tokens` while the claim holds."""
     released: bool = field(default=False, init=False)
     generation: int = field(default=0, init=False)
     """The worker's actor incarnation when it was picked: a failure of this request's
     calls is about that incarnation, not a replacement started since."""
+    decision: RouteDecision | None = field(default=None, init=False)
+    """Set by `cache_aware`: how the worker was chosen."""
 
     def __post_init__(self) -> None:
         self.worker.in_flight += 1
+        self.worker.claimed_tokens += self.load_tokens
         self.generation = self.worker.generation
 
     def release(self) -> None:
@@ -80,6 +126,7 @@ class Claim:
         if not self.released:
             self.released = True
             self.worker.in_flight -= 1
+            self.worker.claimed_tokens -= self.load_tokens
 
 
 class Policy:
@@ -112,10 +159,60 @@ class PowerOfTwo(Policy):
         return min(self.random.sample(candidates, 2), key=WorkerInfo.score)
 
 
+class CacheAware(Policy):
+    """Overlap minus load (see the module docstring); least loaded without a prompt."""
+
+    def __init__(self, views: CacheViews | None = None) -> None:
+        self.views = views or CacheViews()
+
+    def choose(self, candidates: list[WorkerInfo]) -> WorkerInfo:
+        return min(candidates, key=WorkerInfo.score)
+
+    def decide(
+        self, role: str, candidates: list[WorkerInfo], tokens: list[int]
+    ) -> tuple[WorkerInfo, RouteDecision]:
+        hashes = self.views.hashes(tokens, candidates)
+        block = self.views.block_size or 1
+        prompt_blocks = -(-len(tokens) // block)
+        scored = sorted(self._score(role, w, hashes, prompt_blocks, block) for w in candidates)
+        allowed = {w.worker_id for w in balanced(candidates)}
+        eligible = [entry for entry in scored if entry[2] in allowed]
+        score, _, _, cached, worker = eligible[0]
+        if eligible[0] is not scored[0]:
+            reason = "balance"
+        elif cached > min(entry[3] for entry in eligible):
+            reason = "cache"
+        else:
+            reason = "load"
+        return worker, RouteDecision(role, worker.worker_id, reason, cached, prompt_blocks, score)
+
+    def _score(self, role: str, worker: WorkerInfo, hashes, prompt_blocks: int, block: int):
+        """(score, then the tie-breaks, ..., cached blocks, worker): lowest first."""
+        cached = self.views.cached_blocks(worker, hashes)
+        todo = prompt_blocks - cached
+        if role == "decode":
+            # Blocks to receive, plus those it would have to wait for; the requests it
+            # decodes break ties, and the balance bound keeps a holder from collapsing
+            # the pool onto itself.
+            free = worker.load.free_blocks if worker.load is not None else todo
+            score = OVERLAP_WEIGHT * todo + max(0, todo - free)
+        else:  # blocks to compute, against blocks of prefill already queued there
+            score = OVERLAP_WEIGHT * todo + worker.claimed_tokens / block
+        return (score, worker.in_flight, worker.worker_id, cached, worker)
+
+
+def balanced(candidates: list[WorkerInfo]) -> list[WorkerInfo]:
+    """Candidates within the imbalance bound of the least loaded one (by requests)."""
+    least = min(w.in_flight for w in candidates)
+    bound = max(least + BALANCE_ABS, least * BALANCE_REL)
+    return [w for w in candidates if w.in_flight <= bound]
+
+
 POLICIES: dict[str, type[Policy]] = {
     "round_robin": RoundRobin,
     "least_loaded": LeastLoaded,
     "power_of_two": PowerOfTwo,
+    "cache_aware": CacheAware,
 }
 
 
@@ -124,17 +221,48 @@ class Router:
 
     def __init__(self, policy: RouterPolicy, workers: dict[str, WorkerInfo]):
         self.workers = workers
-        self.policies = {role: POLICIES[policy]() for role in ("prefill", "decode", "colocated")}
+        self.views = CacheViews()
+        """What each worker's prefix cache holds (reports + what was routed there)."""
+        make = POLICIES[policy]
+        self.policies = {
+            role: make(self.views) if make is CacheAware else make()
+            for role in ("prefill", "decode", "colocated")
+        }
 
     def live(self, role: str) -> list[WorkerInfo]:
         """Workers of `role` that take requests (alive, and not a standby spare)."""
         return [w for w in self.workers.values() if w.role == role and w.alive and not w.standby]
 
     def pick(
-        self, role: str, request_id: str | None = None, exclude: set[str] | None = None
+        self,
+        role: str,
+        request_id: str | None = None,
+        exclude: set[str] | None = None,
+        tokens: list[int] | None = None,
     ) -> Claim:
-        """A claim on the best live worker of `role`; the caller must release it."""
+        """A claim on the best live worker of `role` for a prompt of `tokens` (None: no
+        prompt to place, load only); the caller must release it."""
         candidates = [w for w in self.live(role) if w.worker_id not in (exclude or set())]
         if not candidates:
             raise NoLiveWorkerError(role, request_id)
-        return Claim(self.policies[role].choose(candidates))
+        policy, decision = self.policies[role], None
+        if tokens is None:
+            return Claim(policy.choose(candidates))
+        if isinstance(policy, CacheAware):
+            worker, decision = policy.decide(role, candidates, tokens)
+        else:
+            worker = policy.choose(candidates)
+        hashes = self.views.hashes(tokens, candidates)
+        load = len(tokens)
+        if role != "decode":  # what it has to compute
+            load -= self.views.cached_blocks(worker, hashes) * (self.views.block_size or 0)
+        claim = Claim(worker, load)
+        claim.decision = decision
+        self.views.note(worker.worker_id, hashes)
+        return claim
+
+    def remember_decoded(self, worker_id: str | None, tokens: list[int]) -> None:
+        """A request's decode worker computed the KV of `tokens` (prompt plus all but
+        the last output token): the next turn of the conversation may find it there."""
+        if worker_id is not None:
+            self.views.note_tokens(worker_id, tokens)

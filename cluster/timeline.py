@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from engine.kv_cache import KVLayout
 from engine.worker_messages import ImportEvent, PrefillResult
 
 
@@ -44,12 +45,25 @@ class RequestTimeline:
     """How each recovery got the KV back: repull, recompute, decode_side_prefill."""
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    cached_tokens: int | None = None
+    """Prompt tokens taken from a prefix cache where the prompt was computed (the prefill
+    worker, or the decode worker when it prefilled): usage's `cached_tokens`."""
+    kv_block_bytes: int = 0
+    """Bytes of one KV block (from the export ticket's layout)."""
+    route: dict = field(default_factory=dict)
+    """Role -> the cache-aware router's decision (`cluster.router.RouteDecision` as a dict)."""
+    disaggregation: dict | None = None
+    """How the prompt's KV was to be made: `cluster.disaggregation.PathChoice` as a dict."""
 
     # --- stamps, from the request flow ------------------------------------------------
 
     def on_prefill(self, sent: float, answered: float, result: PrefillResult) -> None:
         self.prefill_sent, self.prefill_answered, self.prefill = sent, answered, result
         self.prefill_worker = result.worker_id
+        self.cached_tokens = min(result.num_cached_tokens, self.num_prompt_tokens)
+        layout = getattr(result.ticket, "layout", None)
+        if layout is not None:
+            self.kv_block_bytes = KVLayout(**layout).block_nbytes
 
     def on_import(self, sent: float, received: float, event: ImportEvent) -> None:
         self.decode_sent, self.import_received, self.imported = sent, received, event
@@ -57,6 +71,11 @@ class RequestTimeline:
         self.kv_bytes = event.num_bytes
         self.transfer_ok = event.ok
         self.transfer_failure = event.reason
+
+    def on_local_prefill(self, num_cached_tokens: int) -> None:
+        """The decode worker computed the prompt's KV itself, reusing this many tokens."""
+        if self.cached_tokens is None:
+            self.cached_tokens = min(num_cached_tokens, self.num_prompt_tokens)
 
     def stamp_token(self, now: float, count: int = 1) -> None:
         if self.first_token is None:
@@ -86,6 +105,21 @@ class RequestTimeline:
             "recoveries": list(self.recoveries),
             "recovery_paths": list(self.recovery_paths),
             "transfer_failure": self.transfer_failure,
+            **self.reuse(),
+            "route": dict(self.route),
+            "disaggregation": self.disaggregation,
+        }
+
+    def reuse(self) -> dict:
+        """What the prefix caches saved: tokens not computed, blocks not moved."""
+        imported = self.imported
+        reused = imported.reused_blocks if imported else 0
+        return {
+            "cached_tokens": self.cached_tokens or 0,
+            "prefill_cached_tokens": self.prefill.num_cached_tokens if self.prefill else 0,
+            "decode_reused_blocks": reused,
+            "kv_blocks_moved": imported.moved_blocks if imported else 0,
+            "kv_bytes_saved": reused * self.kv_block_bytes,
         }
 
     def ttft_parts(self) -> dict[str, float]:
