@@ -34,14 +34,17 @@ from engine.demo_model import resolve_model
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError, RequestAbortedError
 from engine.kv_cache import KVCachePool, KVLayout
+from engine.logprobs import PromptLogprobs, TokenLogprobs
 from engine.model import LlamaForward
 from engine.model_runner import ModelRunner
 from engine.model_spec import load_model_spec
+from engine.penalties import RowHistory
 from engine.prefix_cache import CacheReport, PrefixCache, extend_hashes, hash_seed
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceOutput, SequenceStatus
+from engine.structured import GrammarCompiler
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -116,6 +119,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_pool)
         self.sampler = Sampler()
         self.tokenizer = Tokenizer(self.model_dir)
+        self.grammars = GrammarCompiler(self.tokenizer, self.spec.vocab_size)
+        """Structured output: compiles each constrained request's grammar (lazily)."""
         self.sequences: dict[str, Sequence] = {}
         """Every request this engine owns, whatever its status, until it finishes."""
         self._aborted_ids: OrderedDict[str, None] = OrderedDict()
@@ -177,6 +182,8 @@ class LLMEngine:
         )
         seq.stop_after_prefill = stop_after_prefill
         seq.priority = priority
+        if params.prompt_logprobs is not None and not seq.output_token_ids:
+            seq.prompt_logprobs = PromptLogprobs(params.prompt_logprobs)
         self.scheduler.add(seq)
         return seq
 
@@ -302,6 +309,8 @@ class LLMEngine:
             params=params,
             output_token_ids=list(output_token_ids or []),
         )
+        if params.structured is not None:  # grammar state rebuilt from the decided tokens
+            seq.guide = self.grammars.guide(request_id, params.structured, seq.output_token_ids)
         self._replay_text(seq, emitted_text_len)
         self.sequences[request_id] = seq
         return seq
@@ -381,13 +390,22 @@ class LLMEngine:
         for chunk in chunks:
             chunk.seq.num_computed_tokens += chunk.num_new_tokens
             self._publish(chunk.seq)  # before sampling, which may free the blocks
+        for seq, first_position, logits in result.prompt_logits:
+            seq.prompt_logprobs.add(logits, first_position, seq.prompt_token_ids)
         seqs = result.sampling_seqs
         outputs = []
         if seqs:
-            tokens = self.sampler.sample(
-                result.logits, [s.params for s in seqs], [len(s.output_token_ids) for s in seqs]
+            sampled = self.sampler.run(
+                result.logits,
+                [s.params for s in seqs],
+                [len(s.output_token_ids) for s in seqs],
+                [self._history(s) for s in seqs],
+                [s.guide for s in seqs],
             )
-            outputs = [self._append_token(seq, t) for seq, t in zip(seqs, tokens, strict=True)]
+            outputs = [
+                self._append_token(seq, token, logprobs)
+                for seq, token, logprobs in zip(seqs, sampled.tokens, sampled.logprobs, strict=True)
+            ]
         self.step_trace.append(StepRecord.of(started, clock.now() - started, chunks))
         return outputs
 
@@ -407,7 +425,15 @@ class LLMEngine:
             if size:
                 sizes[size] = sizes.get(size, 0) + 1
 
-    def _append_token(self, seq: Sequence, token_id: int) -> SequenceOutput:
+    def _history(self, seq: Sequence) -> RowHistory:
+        return RowHistory(seq.prompt_token_ids, seq.output_token_ids, self.tokenizer.eos_token_ids)
+
+    def _append_token(
+        self, seq: Sequence, token_id: int, logprobs: TokenLogprobs | None = None
+    ) -> SequenceOutput:
+        if seq.guide is not None:
+            seq.guide.accept(token_id)
+        prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None
         seq.output_token_ids.append(token_id)
         seq.output_text += seq.detokenizer.push(token_id)
         reason = self._finish_reason(seq, token_id)
@@ -432,6 +458,8 @@ class LLMEngine:
             num_output_tokens=len(seq.output_token_ids),
             prefilled=prefilled,
             num_cached_tokens=seq.num_cached_tokens,
+            logprobs=[logprobs] if logprobs is not None else None,
+            prompt_logprobs=prompt_logprobs.result() if prompt_logprobs is not None else None,
         )
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
@@ -440,7 +468,10 @@ class LLMEngine:
             return "stop"
         if not params.ignore_eos and token_id in self.tokenizer.eos_token_ids:
             return "stop"
-        if params.stop and _truncate_at_stop(seq):
+        if seq.guide is not None and seq.guide.done:
+            return "stop"
+        before_min = len(seq.output_token_ids) < params.min_tokens
+        if params.stop and not before_min and _truncate_at_stop(seq):
             return "stop"
         if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"

@@ -9,7 +9,7 @@ On CUDA, decode-only steps replay a captured graph per batch-size bucket
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,6 +25,9 @@ class StepResult:
     logits: torch.Tensor
     """[len(sampling_seqs), vocab] float32."""
     sampling_seqs: list[Sequence]
+    prompt_logits: list[tuple[Sequence, int, torch.Tensor]] = field(default_factory=list)
+    """(sequence, first position, logits [positions, vocab]) for sequences that want
+    prompt logprobs (`Sequence.prompt_logprobs`); empty on every other step."""
 
 
 @dataclass
@@ -36,6 +39,8 @@ class StepInputs:
     meta: AttentionMetadata
     logits_rows: torch.Tensor
     sampling_seqs: list[Sequence]
+    prompt_rows: list[tuple[Sequence, int, int]] = field(default_factory=list)
+    """(sequence, first position, count): extra logits rows after the sampling ones."""
 
     @property
     def decode_only(self) -> bool:
@@ -57,20 +62,32 @@ class ModelRunner:
 
     def run(self, chunks: list[ScheduledChunk]) -> StepResult:
         step = self.build_step(chunks)
-        if self.graphs is not None and step.decode_only and self.graphs.covers(step):
+        graphed = step.decode_only and not step.prompt_rows
+        if self.graphs is not None and graphed and self.graphs.covers(step):
             logits = self.graphs.run(step)
         else:
             logits = self.model.forward(
                 step.input_ids, step.positions, step.meta, self.kv_pool, step.logits_rows
             )
-        return StepResult(logits=logits, sampling_seqs=step.sampling_seqs)
+        if not step.prompt_rows:
+            return StepResult(logits=logits, sampling_seqs=step.sampling_seqs)
+        return self._split_prompt_rows(logits, step)
+
+    @staticmethod
+    def _split_prompt_rows(logits: torch.Tensor, step: StepInputs) -> StepResult:
+        row = len(step.sampling_seqs)
+        prompt_logits = []
+        for seq, first, count in step.prompt_rows:
+            prompt_logits.append((seq, first, logits[row : row + count]))
+            row += count
+        return StepResult(logits[: len(step.sampling_seqs)], step.sampling_seqs, prompt_logits)
 
     def build_step(self, chunks: list[ScheduledChunk]) -> StepInputs:
         """Pack the chunks (decode first) into the step's token, position and slot tensors."""
         decode = [c for c in chunks if c.num_new_tokens == 1]
         prefill = [c for c in chunks if c.num_new_tokens > 1]
         tokens, positions, slot_blocks, slot_offsets = [], [], [], []
-        logits_rows, sampling_seqs = [], []
+        logits_rows, sampling_seqs, prompt_rows = [], [], []
         block_size = self.kv_pool.block_size
         for chunk in decode + prefill:
             seq, start = chunk.seq, chunk.seq.num_computed_tokens
@@ -83,6 +100,12 @@ class ModelRunner:
             if end == seq.num_tokens:
                 logits_rows.append(len(tokens) - 1)
                 sampling_seqs.append(seq)
+            if seq.prompt_logprobs is not None:
+                wanted = seq.prompt_logprobs.wanted(start, end, seq.num_prompt_tokens)
+                if wanted:
+                    first_row = len(tokens) - (end - start) + (wanted.start - start)
+                    prompt_rows.append((seq, wanted.start, len(wanted), first_row))
+        extra_rows = [r for _, _, count, first in prompt_rows for r in range(first, first + count)]
         meta = AttentionMetadata(
             slot_blocks=self._tensor(slot_blocks),
             slot_offsets=self._tensor(slot_offsets),
@@ -95,8 +118,9 @@ class ModelRunner:
             self._tensor(tokens),
             self._tensor(positions),
             meta,
-            self._tensor(logits_rows),
+            self._tensor(logits_rows + extra_rows),
             sampling_seqs,
+            [(seq, first, count) for seq, first, count, _ in prompt_rows],
         )
 
     def _tensor(self, values: list) -> torch.Tensor:

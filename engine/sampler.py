@@ -12,19 +12,42 @@ uniform number of a seeded row is drawn alone, from that row's own generator.
 
 Generators live on the device of the logits they draw noise for: a CPU generator
 cannot fill a CUDA tensor, and would crash every sampled request on a GPU worker.
+
+Before the draw, the rows that ask for it get their logits shaped (engine/penalties.py:
+logit_bias, the min_tokens ban, the grammar mask of engine/structured.py, penalties),
+and rows that ask for logprobs get them from those logits over the temperature
+(engine/logprobs.py). A row that asks for none of this keeps the plain path: greedy
+rows are one argmax over the raw logits, as before.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from engine.logprobs import TokenLogprobs, token_logprobs
+from engine.penalties import (
+    RowHistory,
+    apply_logit_bias,
+    apply_penalties,
+    ban_stops_before_min_tokens,
+)
 from engine.sampling_params import SamplingParams
+from engine.structured import Guide, apply_bitmask, fill_bitmask
 
 _MIX = 0x9E3779B97F4A7C15
 
 
 def step_seed(seed: int, output_index: int) -> int:
     return (seed * _MIX + output_index * 0xBF58476D1CE4E5B9 + 1) % (1 << 63)
+
+
+@dataclass
+class SamplerOutput:
+    tokens: list[int]
+    logprobs: list[TokenLogprobs | None]
+    """Per row: the chosen token's logprobs when its request asked (else None)."""
 
 
 class Sampler:
@@ -39,8 +62,43 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         output_indices: list[int],
+        histories: list[RowHistory] | None = None,
+        guides: list[Guide | None] | None = None,
     ) -> list[int]:
         """logits [N, vocab] float32 -> one token id per row."""
+        return self.run(logits, params, output_indices, histories, guides).tokens
+
+    def run(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        output_indices: list[int],
+        histories: list[RowHistory] | None = None,
+        guides: list[Guide | None] | None = None,
+    ) -> SamplerOutput:
+        """The engine's call: tokens and, for rows that asked, logprobs. `histories`
+        (prompt and output tokens, EOS ids) and `guides` (grammar state) are needed
+        only by rows whose params shape their logits."""
+        guides = guides or [None] * len(params)
+        shaped = [
+            i
+            for i, p in enumerate(params)
+            if p.shapes_logits(output_indices[i]) or guides[i] is not None
+        ]
+        if shaped:
+            logits = logits.clone()
+            logits[shaped] = _shape(
+                logits[shaped],
+                [params[i] for i in shaped],
+                [histories[i] for i in shaped] if histories else None,
+                [guides[i] for i in shaped],
+            )
+        tokens = self._tokens(logits, params, output_indices)
+        return SamplerOutput(tokens, _logprobs(logits, params, tokens))
+
+    def _tokens(
+        self, logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int]
+    ) -> list[int]:
         tokens = logits.argmax(dim=-1).tolist()
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
@@ -94,6 +152,46 @@ class Sampler:
             self.unseeded[device] = torch.Generator(device=device)
             self.unseeded[device].seed()
         return self.unseeded[device]
+
+
+def _shape(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    histories: list[RowHistory] | None,
+    guides: list[Guide | None],
+) -> torch.Tensor:
+    """The shaped rows' logits, in vLLM's order (engine/sampling_params.py)."""
+    if histories is None:
+        histories = [RowHistory([], []) for _ in params]
+    apply_logit_bias(logits, params)
+    ban_stops_before_min_tokens(logits, params, histories)
+    guided = [i for i, g in enumerate(guides) if g is not None]
+    if guided:
+        words = (logits.shape[-1] + 31) // 32
+        masked = logits[guided]
+        apply_bitmask(masked, fill_bitmask([guides[i] for i in guided], words))
+        logits[guided] = masked
+    apply_penalties(logits, params, histories)
+    return logits
+
+
+def _logprobs(
+    logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]
+) -> list[TokenLogprobs | None]:
+    """From the logits the draw used, over the temperature (1 for greedy rows)."""
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    result: list[TokenLogprobs | None] = [None] * len(params)
+    if not rows:
+        return result
+    temperature = torch.tensor([params[i].temperature or 1.0 for i in rows], device=logits.device)
+    computed = token_logprobs(
+        logits[rows] / temperature[:, None],
+        [tokens[i] for i in rows],
+        [params[i].logprobs for i in rows],
+    )
+    for row, entry in zip(rows, computed, strict=True):
+        result[row] = entry
+    return result
 
 
 def _draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

@@ -107,6 +107,8 @@ class Scheduler:
         cache = self.allocator.cache
         if cache is None or seq.block_ids or seq.num_computed_tokens or max_blocks <= 0:
             return []
+        if seq.prompt_logprobs is not None:
+            return []  # its prompt logprobs need the logits of every prompt position
         return cache.match(seq.block_hashes, seq.token_slice, max_blocks)
 
     def _take_hits(self, seq: Sequence, hits: list[int], looked_up: int) -> None:

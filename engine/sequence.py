@@ -22,10 +22,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine import clock
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.logprobs import PromptLogprobs, TokenLogprobs
+    from engine.structured import Guide
 
 
 class SequenceStatus(enum.IntEnum):
@@ -74,6 +79,11 @@ class Sequence:
     detokenizer: IncrementalDetokenizer | None = None
     output_text: str = ""
     emitted_text_len: int = 0
+    guide: Guide | None = None
+    """Its grammar state in this engine (structured output), rebuilt from the decided
+    tokens wherever the sequence is created (engine/structured.py)."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """Prompt logprobs being computed here (`echo`), sent with the first token."""
 
     @property
     def order(self) -> float:
@@ -113,3 +123,7 @@ class SequenceOutput:
     """True when a `stop_after_prefill` sequence is ready for KV export."""
     num_cached_tokens: int = 0
     """`Sequence.num_cached_tokens`: KV this engine's prefix cache held at admission."""
+    logprobs: list[TokenLogprobs] | None = None
+    """Logprobs of `new_token_ids`, when the request asked for them."""
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """With the first token of a request that asked (`echo`): one entry per prompt token."""
