@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -29,13 +30,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.sse import format_sse_event
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cluster.choice_fanout import ChoiceFanout
 from cluster.cluster import PDCluster, RequestTimeoutError
 from cluster.metrics import ClusterMetrics
 from cluster.openai_protocol import ApiError, ParsedRequest, parse_body, read_json
+from cluster.openai_responses import ChoiceWriter, EchoedPrompt, TokenNames, envelope, usage
 from cluster.request import ClusterRequest, GenerationChunk, RequestFailedError
 from cluster.router import NoLiveWorkerError
+from cluster.tools import ToolCallReader, with_tools_preamble
 from engine import envs
 from engine.errors import InvalidRequestError
+from engine.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +53,18 @@ class FrontendSettings:
     max_in_flight: int = 256
     """Requests admitted at once; past it, 429 with Retry-After."""
     retry_after_s: int = 1
+    tool_call_parser: str = "hermes"
+    """How `tool_choice: auto` answers are read for calls (engine/tool_parsers.py), or
+    `none` to return them as plain content."""
 
     def __post_init__(self) -> None:
         if self.max_body_bytes <= 0 or self.max_in_flight <= 0:
             raise ValueError("max_body_bytes and max_in_flight must be positive")
+        if self.tool_call_parser not in ("none", *TOOL_PARSERS):
+            raise ValueError(
+                f"tool_call_parser must be one of none, {', '.join(TOOL_PARSERS)}; "
+                f"got {self.tool_call_parser!r}"
+            )
 
 
 _CLIENT_TAG = re.compile(r"[A-Za-z0-9._:-]{1,64}")
@@ -123,6 +136,7 @@ class OpenAIHandler:
         self.in_flight = 0
         """Admitted requests not yet closed."""
         self.model_names = {cluster.model_id, cluster.config.model}
+        self.names = TokenNames(cluster.tokenizer)
 
     # --- small endpoints --------------------------------------------------------------
 
@@ -197,31 +211,39 @@ class OpenAIHandler:
     async def handle(self, request: Request, kind: str):
         endpoint = "chat" if kind == "chat" else "completions"
         try:
-            req, parsed = await self._open(request, kind)
+            opened = await self._open(request, kind)
         except ApiError as exc:
             self.metrics.observe_outcome(
                 "rejected" if exc.status in (429, 503) else "error", endpoint
             )
             raise
-        req.on_close.append(lambda r: self._closed(r, endpoint))
-        if parsed.stream:
+        self._count_outcome(opened.reqs, endpoint)
+        fanout = ChoiceFanout(opened.reqs, opened.parsed.n, self._chunks)
+        if opened.parsed.stream:
             return OwnedStreamingResponse(
-                self._sse(req, parsed),
-                on_close=lambda: req.close("cancelled"),
+                self._sse(opened, fanout),
+                on_close=lambda: _close_all(opened.reqs, "cancelled"),
                 media_type="text/event-stream",
             )
-        return await self._collect_until_disconnect(request, req, parsed)
+        return await self._collect_until_disconnect(request, opened, fanout)
 
-    async def _open(self, request: Request, kind: str) -> tuple[ClusterRequest, ParsedRequest]:
+    async def _open(self, request: Request, kind: str) -> Opened:
         """Everything before the request is admitted; raises ApiError, never anything else
         for client input."""
         try:
             self.authorize(request)
             parsed = parse_body(kind, await read_json(request, self.settings.max_body_bytes))
             self._check_model(parsed.model)
-            prompt_ids = self._prompt_ids(parsed)
+            prompts = [self._prompt_ids(parsed, prompt) for prompt in parsed.prompts]
             request_id = _request_id(kind, request.headers.get("x-request-id"))
-            req = self.cluster.open_request(prompt_ids, parsed.params, request_id)
+            reqs = [
+                self.cluster.open_request(
+                    prompts[index // parsed.n],
+                    _choice_params(parsed, index % parsed.n),
+                    _choice_id(request_id, index, parsed.num_choices),
+                )
+                for index in range(parsed.num_choices)
+            ]
         except ApiError:
             raise
         except InvalidRequestError as exc:
@@ -229,13 +251,26 @@ class OpenAIHandler:
         except Exception as exc:  # a bug, not the client: a JSON 500, the server keeps going
             logger.exception("request could not be opened")
             raise ApiError(500, f"internal error: {type(exc).__name__}") from None
-        self._admit()
-        return req, parsed
+        self._admit(len(reqs))
+        return Opened(request_id, parsed, prompts, reqs)
 
-    def _closed(self, req: ClusterRequest, endpoint: str) -> None:
-        self.in_flight -= 1
-        outcome = OUTCOME_BY_CLOSE.get(req.close_reason or "", "error")
-        self.metrics.observe_outcome(outcome, endpoint)
+    def _count_outcome(self, reqs: list[ClusterRequest], endpoint: str) -> None:
+        """Every choice frees its admission slot when it closes; the HTTP request's
+        outcome is counted once, when its last choice closed."""
+        open_choices = [len(reqs)]
+
+        def closed(req: ClusterRequest) -> None:
+            self.in_flight -= 1
+            open_choices[0] -= 1
+            if req.close_reason != "finished":
+                outcomes.append(req.close_reason or "")
+            if open_choices[0] == 0:
+                reason = outcomes[0] if outcomes else "finished"
+                self.metrics.observe_outcome(OUTCOME_BY_CLOSE.get(reason, "error"), endpoint)
+
+        outcomes: list[str] = []
+        for req in reqs:
+            req.on_close.append(closed)
 
     def _check_model(self, model: str) -> None:
         if model not in self.model_names:
@@ -246,34 +281,36 @@ class OpenAIHandler:
                 kind="model_not_found",
             )
 
-    def _prompt_ids(self, parsed: ParsedRequest) -> list[int]:
+    def _prompt_ids(self, parsed: ParsedRequest, prompt) -> list[int]:
         tokenizer = self.cluster.tokenizer
         if parsed.kind == "chat":
-            return tokenizer.apply_chat_template(parsed.prompt)
-        if isinstance(parsed.prompt, str):
-            return tokenizer.encode(parsed.prompt)
-        prompt_ids = list(parsed.prompt)
+            if parsed.tools and not tokenizer.template_renders_tools:
+                return tokenizer.apply_chat_template(with_tools_preamble(prompt, parsed.tools))
+            return tokenizer.apply_chat_template(prompt, tools=parsed.tools)
+        if isinstance(prompt, str):
+            return tokenizer.encode(prompt)
+        prompt_ids = list(prompt)
         if any(not 0 <= t < tokenizer.vocab_size for t in prompt_ids):
             raise ApiError(
                 400, f"prompt token ids must be in [0, {tokenizer.vocab_size})", param="prompt"
             )
         return prompt_ids
 
-    def _admit(self) -> None:
-        """Counts the request from here until it closes (`_closed`)."""
+    def _admit(self, count: int) -> None:
+        """Counts the request's choices from here until each closes (`_count_outcome`)."""
         if self.health().status_code != 200:
             raise ApiError(
                 503,
                 "no live workers to serve this request; retry shortly",
                 headers={"Retry-After": str(self.settings.retry_after_s)},
             )
-        if self.in_flight >= self.settings.max_in_flight:
+        if self.in_flight + count > self.settings.max_in_flight:
             raise ApiError(
                 429,
                 f"server busy: {self.in_flight} requests in flight; retry shortly",
                 headers={"Retry-After": str(self.settings.retry_after_s)},
             )
-        self.in_flight += 1
+        self.in_flight += count
 
     async def _chunks(self, req: ClusterRequest) -> AsyncIterator[GenerationChunk]:
         """The request's stream, with every failure turned into the ApiError to send."""
@@ -296,11 +333,28 @@ class OpenAIHandler:
         logger.error("request failed", exc_info=exc)
         return ApiError(500, f"internal error: {type(exc).__name__}")
 
+    def _writers(self, opened: Opened) -> list[ChoiceWriter]:
+        parsed = opened.parsed
+        writers = []
+        for index in range(parsed.num_choices):
+            prompt_index = index // parsed.n
+            echo = None
+            if parsed.echo:
+                prompt = parsed.prompts[prompt_index]
+                ids = opened.prompt_ids[prompt_index]
+                text = prompt if isinstance(prompt, str) else self.cluster.tokenizer.decode(ids)
+                echo = EchoedPrompt(text, ids)
+            tools = None
+            if parsed.tool_choice is not None and parsed.tool_choice.mode != "none":
+                tools = ToolCallReader(parsed.tool_choice, self.settings.tool_call_parser)
+            writers.append(ChoiceWriter(index, parsed, self.names, echo=echo, tools=tools))
+        return writers
+
     async def _collect_until_disconnect(
-        self, request: Request, req: ClusterRequest, parsed: ParsedRequest
+        self, request: Request, opened: Opened, fanout: ChoiceFanout
     ):
         """A non-streaming request, closed as soon as its client goes away."""
-        collect = asyncio.ensure_future(self._collect(req, parsed))
+        collect = asyncio.ensure_future(self._collect(opened, fanout))
         gone = asyncio.ensure_future(_client_gone(request))
         try:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -308,63 +362,88 @@ class OpenAIHandler:
             gone.cancel()
             if not collect.done():
                 collect.cancel()
-                req.close("cancelled")
+                _close_all(opened.reqs, "cancelled")
                 with contextlib.suppress(asyncio.CancelledError, ApiError):
                     await collect
         if collect.cancelled():
             return Response(status_code=499)  # nobody is listening any more
         return collect.result()
 
-    async def _collect(self, req: ClusterRequest, parsed: ParsedRequest) -> dict:
-        text, last = [], None
-        async for chunk in self._chunks(req):
-            text.append(chunk.text)
-            last = chunk
-        assert last is not None
-        usage = _usage(len(req.prompt_ids), last.num_output_tokens, req.timeline.cached_tokens)
-        if parsed.kind == "chat":
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": "".join(text)},
-                "finish_reason": last.finish_reason,
-                "logprobs": None,
-            }
-        else:
-            choice = {
-                "index": 0,
-                "text": "".join(text),
-                "finish_reason": last.finish_reason,
-                "logprobs": None,
-            }
-        body = _envelope(req.request_id, parsed, final=True)
-        body.update(choices=[choice], usage=usage, pdserve_timings=last.timings)
+    async def _collect(self, opened: Opened, fanout: ChoiceFanout) -> dict:
+        writers = self._writers(opened)
+        async for index, chunk in fanout.stream():
+            writers[index].add(chunk)
+        body = envelope(opened.request_id, opened.parsed, final=True)
+        body.update(
+            choices=[w.final() for w in writers],
+            usage=self._usage(opened, writers),
+            pdserve_timings=writers[0].timings,
+        )
+        if len(writers) > 1:
+            body["pdserve_choice_timings"] = [w.timings for w in writers]
         return body
 
-    async def _sse(self, req: ClusterRequest, parsed: ParsedRequest) -> AsyncIterator[str]:
-        first = True
-        num_prompt = len(req.prompt_ids)
+    def _usage(self, opened: Opened, writers: list[ChoiceWriter]) -> dict:
+        """Prompt tokens once per prompt (its n choices share it), completion tokens of
+        every choice; cached tokens as the prompts' first choices found them."""
+        leaders = opened.reqs[:: opened.parsed.n]
+        return usage(
+            sum(len(ids) for ids in opened.prompt_ids),
+            sum(w.num_output_tokens for w in writers),
+            sum(req.timeline.cached_tokens or 0 for req in leaders),
+        )
+
+    async def _sse(self, opened: Opened, fanout: ChoiceFanout) -> AsyncIterator[str]:
+        parsed = opened.parsed
+        writers = self._writers(opened)
         try:
-            async for chunk in self._chunks(req):
-                if not chunk.text and not chunk.finished:
-                    continue  # nothing to show yet (a partial UTF-8 character or held-back stop text)
-                body = _envelope(req.request_id, parsed, final=False)
-                body["choices"] = [_delta_choice(parsed, chunk, first)]
-                first = False
+            async for index, chunk in fanout.stream():
+                choice = writers[index].delta(chunk)
+                if choice is None:
+                    continue  # nothing to show yet (a partial UTF-8 character, held-back text)
+                body = envelope(opened.request_id, parsed, final=False)
+                body["choices"] = [choice]
                 if parsed.continuous_usage:
-                    body["usage"] = _usage(
-                        num_prompt, chunk.num_output_tokens, req.timeline.cached_tokens
-                    )
+                    body["usage"] = self._usage(opened, writers)
                 if chunk.finished:
                     body["pdserve_timings"] = chunk.timings
                 yield format_sse_event(data_str=json.dumps(body))
-                if chunk.finished and parsed.include_usage:
-                    usage = _envelope(req.request_id, parsed, final=False)
-                    totals = _usage(num_prompt, chunk.num_output_tokens, req.timeline.cached_tokens)
-                    usage.update(choices=[], usage=totals)
-                    yield format_sse_event(data_str=json.dumps(usage))
+            if parsed.include_usage:
+                totals = envelope(opened.request_id, parsed, final=False)
+                totals.update(choices=[], usage=self._usage(opened, writers))
+                yield format_sse_event(data_str=json.dumps(totals))
         except ApiError as exc:
             yield format_sse_event(data_str=json.dumps(exc.body()))
         yield format_sse_event(data_str="[DONE]")
+
+
+@dataclass
+class Opened:
+    """An admitted HTTP request: its parse and one owner per choice."""
+
+    request_id: str
+    parsed: ParsedRequest
+    prompt_ids: list[list[int]]
+    """Token ids of each prompt (after the chat template)."""
+    reqs: list[ClusterRequest]
+    """Choice i answers prompt i // n."""
+
+
+def _close_all(reqs: list[ClusterRequest], reason: str) -> None:
+    for req in reqs:
+        req.close(reason)
+
+
+def _choice_params(parsed: ParsedRequest, offset: int):
+    """Choice `offset` of a prompt samples with the request's seed + offset."""
+    params = parsed.params
+    if offset == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=params.seed + offset)
+
+
+def _choice_id(request_id: str, index: int, count: int) -> str:
+    return request_id if count == 1 else f"{request_id}-{index}"
 
 
 class OwnedStreamingResponse(StreamingResponse):
@@ -411,30 +490,3 @@ async def _client_gone(request: Request) -> None:
     """Returns when the client of a request whose body was read disconnects."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def _envelope(request_id: str, parsed: ParsedRequest, final: bool) -> dict:
-    if parsed.kind == "chat":
-        kind = "chat.completion" if final else "chat.completion.chunk"
-    else:
-        kind = "text_completion"
-    return {"id": request_id, "object": kind, "created": int(time.time()), "model": parsed.model}
-
-
-def _delta_choice(parsed: ParsedRequest, chunk: GenerationChunk, first: bool) -> dict:
-    if parsed.kind == "chat":
-        delta = {"content": chunk.text}
-        if first:
-            delta["role"] = "assistant"  # with the first token, never in an empty chunk before it
-        return {"index": 0, "delta": delta, "finish_reason": chunk.finish_reason, "logprobs": None}
-    return {"index": 0, "text": chunk.text, "finish_reason": chunk.finish_reason, "logprobs": None}
-
-
-def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> dict:
-    """OpenAI's usage object; `cached_tokens`: prompt tokens served from a prefix cache."""
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens or 0},
-    }

@@ -5,7 +5,8 @@ size and nesting before parsing, and refuses text that cannot be encoded (a lone
 surrogate). Parsing turns the JSON into a `ParsedRequest` (prompt ids +
 SamplingParams) or raises `ApiError` with the status, message and offending parameter. Unknown fields
 are ignored like OpenAI does, except fields whose silent loss would change results
-(`n` > 1, `logprobs`, `best_of`, `tools`, ...), which are refused with a 400.
+(`best_of`, `audio`, ...), which are refused with a 400. The sampling side of a body
+(penalties, logprobs, structured output, tool choice) is read by cluster/openai_params.py.
 """
 
 from __future__ import annotations
@@ -59,17 +60,14 @@ _KIND_BY_STATUS = {
 }
 
 _UNSUPPORTED = {
-    "logprobs": "logprobs are not supported by this server",
-    "top_logprobs": "logprobs are not supported by this server",
-    "best_of": "best_of is not supported; send separate requests",
-    "tools": "tool calling is not supported by this server",
-    "functions": "function calling is not supported by this server",
-    "response_format": "response_format is not supported by this server",
-    "echo": "echo is not supported by this server",
+    "best_of": "best_of is not supported (deprecated upstream); use n, or send separate "
+    "requests and pick",
+    "functions": "the legacy 'functions' parameter is not supported; use 'tools'",
+    "function_call": "the legacy 'function_call' parameter is not supported; use 'tool_choice'",
     "suffix": "suffix is not supported by this server",
-    "logit_bias": "logit_bias is not supported by this server",
+    "audio": "audio output is not supported by this server",
 }
-
+"""Fields whose silent loss would change results: refused with a 400 (best_of 1 is fine)."""
 
 MAX_JSON_DEPTH = 64
 """Deepest nesting of arrays and objects a body may have (OpenAI bodies need ~6)."""
@@ -120,10 +118,37 @@ def json_depth(text: str) -> int:
     return int(np.cumsum(steps).max())
 
 
+MAX_CHOICES = 64
+"""Most choices one request may fan out to (batched prompts x n)."""
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = "response"
+    schema_: dict | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's newer spelling of the guided_* fields."""
+
+    model_config = ConfigDict(extra="ignore")
+    json_: dict | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class _Common(BaseModel):
@@ -142,10 +167,23 @@ class _Common(BaseModel):
     user: str | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: dict[str, float] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    response_format: ResponseFormat | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 class CompletionBody(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
 
 
 class TextPart(BaseModel):
@@ -158,30 +196,85 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatBody(_Common):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 @dataclass
 class ParsedRequest:
     kind: Literal["completion", "chat"]
     model: str
-    prompt: str | list[int] | list[dict]
-    """Text or token ids (completions) or messages (chat)."""
+    prompts: list[str | list[int] | list[dict]]
+    """Completions: one entry per batched prompt (text or token ids); chat: one list of
+    messages, ready for the chat template."""
     params: SamplingParams
     stream: bool
     include_usage: bool
     continuous_usage: bool
+    n: int = 1
+    """Choices per prompt; choice i of a seeded request samples with seed + i."""
+    echo: bool = False
+    """Completions: the prompt's text (and logprobs) lead each choice."""
+    echo_only: bool = False
+    """`max_tokens: 0` with echo: the token generated to score the prompt is not returned."""
+    logprobs: int | None = None
+    """Alternatives per output position to return (None: no logprobs)."""
+    tools: list[dict] | None = None
+    tool_choice: Any = None
+    """`cluster.tools.ToolChoice` of a chat request with tools, else None."""
+
+    @property
+    def prompt(self) -> str | list[int] | list[dict]:
+        return self.prompts[0]
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
 
 
 def parse_body(kind: str, body: Any) -> ParsedRequest:
+    from cluster.openai_params import request_of
+
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     for name, why in _UNSUPPORTED.items():
-        if body.get(name) not in (None, False, 0, []):
+        if body.get(name) not in (None, False, 0, [], 1 if name == "best_of" else None):
             raise ApiError(400, why, param=name)
     model_cls = ChatBody if kind == "chat" else CompletionBody
     try:
@@ -190,84 +283,30 @@ def parse_body(kind: str, body: Any) -> ParsedRequest:
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first.get("loc", ()))
         raise ApiError(400, f"invalid '{param}': {first.get('msg')}", param=param) from None
-    if parsed.n != 1:
-        raise ApiError(400, "only n=1 is supported", param="n")
-    if parsed.presence_penalty or parsed.frequency_penalty:
-        raise ApiError(
-            400, "presence/frequency penalties are not supported", param="presence_penalty"
-        )
-    prompt = _prompt_of(kind, parsed)
-    options = parsed.stream_options or StreamOptions()
-    return ParsedRequest(
-        kind=kind,
-        model=parsed.model,
-        prompt=prompt,
-        params=_sampling_params(parsed),
-        stream=parsed.stream,
-        include_usage=options.include_usage,
-        continuous_usage=options.continuous_usage_stats,
-    )
+    return request_of(kind, parsed)
 
 
-def _prompt_of(kind: str, parsed) -> str | list[int] | list[dict]:
-    if kind == "chat":
-        if not parsed.messages:
-            raise ApiError(400, "messages must not be empty", param="messages")
-        return [{"role": m.role, "content": _content_text(m.content)} for m in parsed.messages]
-    prompt = parsed.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
-        if len(prompt) != 1:
-            raise ApiError(
-                400,
-                "batched prompts are not supported; send one prompt per request",
-                param="prompt",
-            )
-        prompt = prompt[0]
-    if not prompt:
-        raise ApiError(400, "prompt must not be empty", param="prompt")
-    return prompt
+def check_sampling(**fields) -> SamplingParams:
+    """SamplingParams, with a bad value turned into a 400."""
+    try:
+        return SamplingParams(**fields)
+    except ValueError as exc:
+        name = str(exc).split(" ", 1)[0]
+        raise ApiError(400, str(exc), param=name if name in fields else None) from None
 
 
-def _content_text(content: str | list[TextPart] | None) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "".join(part.text for part in content)
-
-
-def _sampling_params(parsed) -> SamplingParams:
+def max_tokens_of(parsed) -> int:
     max_tokens = getattr(parsed, "max_completion_tokens", None) or parsed.max_tokens
     if max_tokens is None:
-        max_tokens = 256
-    if not 1 <= max_tokens <= MAX_TOKENS_LIMIT:
+        return 256
+    if not 0 <= max_tokens <= MAX_TOKENS_LIMIT or (max_tokens == 0 and not _echoes(parsed)):
         raise ApiError(
             400,
             f"max_tokens must be between 1 and {MAX_TOKENS_LIMIT}, got {max_tokens}",
             param="max_tokens",
         )
-    stop = parsed.stop
-    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stops):
-        raise ApiError(
-            400,
-            f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} "
-            "characters each",
-            param="stop",
-        )
-    if parsed.top_k < -1:
-        raise ApiError(
-            400, f"top_k must be -1 or 0 (disabled) or positive, got {parsed.top_k}", param="top_k"
-        )
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=parsed.temperature,
-            top_p=parsed.top_p,
-            top_k=parsed.top_k if parsed.top_k > 0 else 0,
-            seed=parsed.seed,
-            stop=stops,
-            ignore_eos=parsed.ignore_eos,
-        )
-    except ValueError as exc:
-        raise ApiError(400, str(exc)) from None
+    return max_tokens
+
+
+def _echoes(parsed) -> bool:
+    return bool(getattr(parsed, "echo", False))

@@ -14,12 +14,14 @@ twice.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cluster.router import Claim, WorkerInfo
 from cluster.timeline import RequestTimeline
+from engine.logprobs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -60,6 +62,10 @@ class GenerationChunk:
     num_output_tokens: int = 0
     timings: dict = field(default_factory=dict)
     """Set on the final chunk: the per-phase breakdown (`RequestTimeline.breakdown`)."""
+    logprobs: list[TokenLogprobs] | None = None
+    """Logprobs of `token_ids`, when the request asked for them."""
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """On the first chunk, when the request asked for prompt logprobs (`echo`)."""
 
 
 class ClusterRequest:
@@ -114,6 +120,12 @@ class ClusterRequest:
     def let_go(self, worker: WorkerInfo) -> None:
         """`worker` holds nothing for this request any more (finished, acked, dead)."""
         self._holders.pop(worker.worker_id, None)
+
+    def prompt_computed(self) -> None:
+        """The prompt's logprobs (if asked) have been delivered: a worker that computes
+        the prompt again (recovery, migration) must not send them twice."""
+        if self.params.prompt_logprobs is not None:
+            self.params = dataclasses.replace(self.params, prompt_logprobs=None)
 
     def release_export(self) -> None:
         """The prompt's exported KV is not needed (imported elsewhere, or recomputed):

@@ -120,7 +120,10 @@ class RequestFlow:
             finished=result.finished,
             finish_reason=result.finish_reason,
             num_output_tokens=1,
+            logprobs=[result.first_logprobs] if result.first_logprobs else None,
+            prompt_logprobs=result.prompt_logprobs,
         )
+        req.prompt_computed()
         req.decided.append(result.first_token_id)
         req.text_len += len(first.text)
         req.ticket = result.ticket
@@ -262,6 +265,8 @@ class RequestFlow:
         req.decided += item.token_ids
         req.text_len += len(item.text)
         req.timeline.on_local_prefill(item.num_cached_tokens)
+        if item.prompt_logprobs is not None:
+            req.prompt_computed()
         if item.finished:
             req.let_go(worker)
         yield GenerationChunk(
@@ -271,6 +276,8 @@ class RequestFlow:
             finished=item.finished,
             finish_reason=item.finish_reason,
             num_output_tokens=item.num_output_tokens,
+            logprobs=item.logprobs,
+            prompt_logprobs=item.prompt_logprobs,
         )
 
     async def _pick_waiting(self, role: str, request_id: str, tokens: list[int]) -> Claim:

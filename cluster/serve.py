@@ -15,6 +15,7 @@ import signal
 from cluster.config import ClusterConfig
 from cluster.config_flags import add_config_flags, config_overrides
 from engine import envs
+from engine.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,14 @@ def add_serve_parser(sub) -> None:
         default=256,
         help="requests admitted at once; past it, 429 with Retry-After (default: 256)",
     )
+    parser.add_argument(
+        "--tool-call-parser",
+        default="hermes",
+        choices=["none", *TOOL_PARSERS],
+        help="how answers to chat requests with tool_choice 'auto' are read for tool calls: "
+        "'hermes' (<tool_call>{...}</tool_call> JSON blocks) or 'none' (plain content) "
+        "(default: hermes)",
+    )
     add_config_flags(parser, ClusterConfig, skip={"cluster_token"})
     parser.set_defaults(func=run_serve)
 
@@ -55,7 +64,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     settings = FrontendSettings(
-        api_key=args.api_key or envs.api_key(), max_in_flight=args.max_in_flight
+        api_key=args.api_key or envs.api_key(),
+        max_in_flight=args.max_in_flight,
+        tool_call_parser=args.tool_call_parser,
     )
     if args.host not in LOOPBACK_HOSTS and not settings.api_key:
         logger.warning(

@@ -294,6 +294,8 @@ def _token_event(output: SequenceOutput) -> TokenEvent:
         output.finish_reason,
         output.num_output_tokens,
         output.num_cached_tokens,
+        logprobs=output.logprobs,
+        prompt_logprobs=output.prompt_logprobs,
     )
 
 

@@ -33,10 +33,26 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=True))
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """Prompt token ids for a chat, with the assistant turn opened."""
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    def apply_chat_template(
+        self, messages: list[dict], tools: list[dict] | None = None
+    ) -> list[int]:
+        """Prompt token ids for a chat, with the assistant turn opened; `tools` (OpenAI
+        function definitions) are passed to the template, which may render them."""
+        text = self.hf.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=True
+        )
         return list(self.hf.encode(text, add_special_tokens=False))
+
+    @property
+    def template_renders_tools(self) -> bool:
+        """Whether the chat template reads `tools` at all (many small models' do not)."""
+        template = self.hf.chat_template
+        texts = template.values() if isinstance(template, dict) else [template or ""]
+        return any("tools" in text for text in texts)
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text, special tokens included (logprobs name tokens by it)."""
+        return self.hf.decode([token_id], skip_special_tokens=False)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=True)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import EngineError
+from engine.logprobs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 
@@ -50,6 +51,10 @@ class PrefillResult:
     """From the first token until the export ticket was ready (0 when none)."""
     num_cached_tokens: int = 0
     """Prompt tokens this worker's prefix cache already held: not computed again."""
+    first_logprobs: TokenLogprobs | None = None
+    """The first token's logprobs, computed here from the logits it was sampled from."""
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """Per prompt token (None for the first) when the request asked (`echo`)."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,10 @@ class TokenEvent:
     num_cached_tokens: int = 0
     """Tokens the decode worker took from its prefix cache when it computed this
     request's KV itself (no ticket: decode-side prefill, recovery); 0 otherwise."""
+    logprobs: list[TokenLogprobs] | None = None
+    """Logprobs of `token_ids`, when the request asked for them."""
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """On the first event of a request whose prompt was computed here and that asked."""
 
 
 @dataclass(frozen=True)

@@ -158,6 +158,8 @@ class PrefillWorker:
             prefill_s=first_token - scheduled,
             export_s=exported - first_token if exported is not None else 0.0,
             num_cached_tokens=seq.num_cached_tokens,
+            first_logprobs=output.logprobs[0] if output.logprobs else None,
+            prompt_logprobs=output.prompt_logprobs,
         )
 
     def _exporter(self, peer_id: str):

@@ -267,7 +267,7 @@ BAD_VALUES = {
     "temperature": st.one_of(st.floats(-1e6, -0.01), st.floats(100.01, 1e6), st.just("hot")),
     "top_p": st.one_of(st.just(0), st.floats(-5, -0.01), st.floats(1.01, 9)),
     "top_k": st.integers(max_value=-2),  # -1 and 0 disable it, as in vLLM
-    "n": st.integers(min_value=2, max_value=1000),
+    "n": st.one_of(st.integers(max_value=0), st.integers(min_value=65, max_value=1000)),
     "stop": st.one_of(
         st.lists(st.just("x"), min_size=17, max_size=40),
         st.text(min_size=513, max_size=600),
@@ -275,7 +275,7 @@ BAD_VALUES = {
         st.just(""),
     ),
     "stream": st.one_of(st.lists(st.integers(), min_size=1), st.dictionaries(st.text(), st.text())),
-    "logprobs": st.integers(1, 5),
+    "logprobs": st.integers(21, 1000),
     "best_of": st.integers(2, 5),
     "prompt": st.one_of(
         st.just(""),

@@ -1,0 +1,230 @@
+"""From a validated OpenAI body to what the cluster runs: prompts, choices, and the
+SamplingParams of each, with vLLM's extensions.
+
+Called by `openai_protocol.parse_body` once per request, before anything is admitted,
+so every mistake is a 400 naming its parameter:
+    sampling and penalties -> SamplingParams fields (engine/sampling_params.py)
+    logprobs: completions `logprobs: k`; chat `logprobs: true` + `top_logprobs: k`;
+      completions `echo` with logprobs asks for prompt logprobs too
+    structured output: `response_format` (json_object, json_schema), vLLM's
+      `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` (Lark) or
+      `structured_outputs`, and the constraint a tool choice implies (cluster/tools.py);
+      at most one of them, checked by compiling the grammar (engine/structured.py)
+    batched prompts (completions) and `n` -> `ParsedRequest.prompts` and `.n`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+from cluster.openai_protocol import (
+    MAX_CHOICES,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    ApiError,
+    ChatBody,
+    ParsedRequest,
+    StreamOptions,
+    check_sampling,
+    max_tokens_of,
+)
+from cluster.tools import ToolChoice, tool_grammar
+from engine.sampling_params import MAX_LOGPROBS, StructuredSpec
+
+
+def request_of(kind: str, parsed) -> ParsedRequest:
+    prompts = _prompts_of(kind, parsed)
+    if not 1 <= parsed.n <= MAX_CHOICES or len(prompts) * parsed.n > MAX_CHOICES:
+        raise ApiError(
+            400, f"n x prompts must be between 1 and {MAX_CHOICES}, got n={parsed.n}", param="n"
+        )
+    tools, choice = _tools_of(parsed) if kind == "chat" else (None, None)
+    logprobs, prompt_logprobs = _logprobs_of(kind, parsed)
+    max_tokens = max_tokens_of(parsed)
+    params = check_sampling(
+        max_tokens=max(1, max_tokens),
+        prompt_logprobs=prompt_logprobs,
+        logprobs=logprobs,
+        structured=_structured_of(parsed, tools, choice),
+        **_sampling_fields(parsed),
+    )
+    options = parsed.stream_options or StreamOptions()
+    return ParsedRequest(
+        kind=kind,
+        model=parsed.model,
+        prompts=prompts,
+        params=params,
+        stream=parsed.stream,
+        include_usage=options.include_usage,
+        continuous_usage=options.continuous_usage_stats,
+        n=parsed.n,
+        echo=bool(getattr(parsed, "echo", False)),
+        echo_only=max_tokens == 0,
+        logprobs=logprobs,
+        tools=tools,
+        tool_choice=choice,
+    )
+
+
+def _prompts_of(kind: str, parsed) -> list:
+    if kind == "chat":
+        if not parsed.messages:
+            raise ApiError(400, "messages must not be empty", param="messages")
+        return [[_message_dict(m) for m in parsed.messages]]
+    prompt = parsed.prompt
+    batched = isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str))
+    prompts = list(prompt) if batched else [prompt]
+    if not prompts or any(not p for p in prompts):
+        raise ApiError(400, "prompt must not be empty", param="prompt")
+    return prompts
+
+
+def _message_dict(message) -> dict:
+    """A message as chat templates read it; tool call arguments as objects (templates
+    serialize them themselves)."""
+    content = message.content
+    if isinstance(content, list):
+        content = "".join(part.text for part in content)
+    out = {"role": message.role, "content": content or ""}
+    if message.name:
+        out["name"] = message.name
+    if message.tool_call_id:
+        out["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        out["tool_calls"] = [_template_call(call) for call in message.tool_calls]
+    return out
+
+
+def _template_call(call: dict) -> dict:
+    function = dict(call.get("function") or {})
+    if isinstance(function.get("arguments"), str):
+        with contextlib.suppress(json.JSONDecodeError):
+            function["arguments"] = json.loads(function["arguments"])
+    return {**call, "function": function}
+
+
+def _sampling_fields(parsed) -> dict:
+    stop = parsed.stop
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise ApiError(
+            400,
+            f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} "
+            "characters each",
+            param="stop",
+        )
+    if parsed.top_k < -1:
+        raise ApiError(
+            400, f"top_k must be -1 or 0 (disabled) or positive, got {parsed.top_k}", param="top_k"
+        )
+    return dict(
+        temperature=parsed.temperature,
+        top_p=parsed.top_p,
+        top_k=parsed.top_k if parsed.top_k > 0 else 0,
+        seed=parsed.seed,
+        stop=stops,
+        ignore_eos=parsed.ignore_eos,
+        include_stop_str_in_output=parsed.include_stop_str_in_output,
+        min_tokens=parsed.min_tokens,
+        presence_penalty=parsed.presence_penalty,
+        frequency_penalty=parsed.frequency_penalty,
+        repetition_penalty=parsed.repetition_penalty,
+        logit_bias=_logit_bias(parsed.logit_bias),
+        stop_token_ids=tuple(parsed.stop_token_ids or ()),
+    )
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    pairs = []
+    for key, value in (bias or {}).items():
+        if not key.lstrip("-").isdigit():
+            raise ApiError(400, f"logit_bias keys are token ids, got {key!r}", param="logit_bias")
+        pairs.append((int(key), max(-100.0, min(100.0, float(value)))))
+    return tuple(pairs)
+
+
+def _logprobs_of(kind: str, parsed) -> tuple[int | None, int | None]:
+    """(alternatives per output token, per prompt token); None where not asked."""
+    if kind == "chat":
+        if parsed.top_logprobs is not None and not parsed.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        count = (parsed.top_logprobs or 0) if parsed.logprobs else None
+        param = "top_logprobs"
+    else:
+        count, param = parsed.logprobs, "logprobs"
+    if count is not None and not 0 <= count <= MAX_LOGPROBS:
+        raise ApiError(400, f"{param} must be between 0 and {MAX_LOGPROBS}", param=param)
+    prompt_count = count if kind == "completion" and parsed.echo and count is not None else None
+    return count, prompt_count
+
+
+def _tools_of(parsed: ChatBody) -> tuple[list[dict] | None, ToolChoice | None]:
+    choice = parsed.tool_choice
+    if not parsed.tools:
+        if choice not in (None, "none"):
+            raise ApiError(400, "tool_choice needs tools", param="tool_choice")
+        return None, None
+    tools = [t.model_dump(exclude_none=True) for t in parsed.tools]
+    names = [t["function"]["name"] for t in tools]
+    parallel = parsed.parallel_tool_calls
+    if choice is None or isinstance(choice, str):
+        return tools, ToolChoice(choice or "auto", parallel=parallel)
+    if choice.function.name not in names:
+        raise ApiError(
+            400, f"tool_choice names '{choice.function.name}', not among the tools", "tool_choice"
+        )
+    return tools, ToolChoice("named", choice.function.name, parallel)
+
+
+def _structured_of(parsed, tools, choice: ToolChoice | None) -> StructuredSpec | None:
+    asked = _asked_structures(parsed)
+    asked.append(("tool_choice", tool_grammar(tools, choice) if tools else None))
+    specs = [(param, spec) for param, spec in asked if spec is not None]
+    if len(specs) > 1:
+        names = ", ".join(param for param, _ in specs)
+        raise ApiError(400, f"at most one output constraint per request, got {names}", specs[1][0])
+    if not specs:
+        return None
+    param, spec = specs[0]
+    from engine.structured import check_spec
+
+    try:
+        check_spec(spec)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param=param) from None
+    return spec
+
+
+def _asked_structures(parsed) -> list[tuple[str, StructuredSpec | None]]:
+    fmt = parsed.response_format
+    asked = [("response_format", _format_spec(fmt) if fmt else None)]
+    guided = parsed.structured_outputs
+    json_value = parsed.guided_json if parsed.guided_json is not None else (guided and guided.json_)
+    regex = parsed.guided_regex or (guided and guided.regex)
+    choice = parsed.guided_choice or (guided and guided.choice)
+    grammar = parsed.guided_grammar or (guided and guided.grammar)
+    asked.append(("guided_json", _schema_spec(json_value) if json_value is not None else None))
+    asked.append(("guided_regex", StructuredSpec("regex", regex) if regex else None))
+    asked.append(
+        ("guided_choice", StructuredSpec("choice", json.dumps(choice)) if choice else None)
+    )
+    asked.append(("guided_grammar", StructuredSpec("lark", grammar) if grammar else None))
+    return asked
+
+
+def _format_spec(fmt) -> StructuredSpec | None:
+    if fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return StructuredSpec("json_object")
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise ApiError(
+            400, "response_format json_schema needs json_schema.schema", "response_format"
+        )
+    return _schema_spec(fmt.json_schema.schema_)
+
+
+def _schema_spec(schema) -> StructuredSpec:
+    text = schema if isinstance(schema, str) else json.dumps(schema)
+    return StructuredSpec("json_schema", text)
