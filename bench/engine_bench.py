@@ -4,7 +4,7 @@ Two kinds of figure, never mixed in one column:
 
 * steady-state decode: every prompt already prefilled, one step = one new token for
   each of `batch` sequences. Ours is the median step of a decode run; transformers'
-  is (generate N+1 tokens - generate 1 token) / N, which cancels its prefill.
+  is the median of its one-token forward calls with its KV cache, after the prefill.
 * end to end: the same `batch` prompts of `prompt_len` tokens prefilled and decoded
   to `decode_steps` new tokens, as transformers' batched `generate` and its continuous
   batching (`generate_batch`) measure it: our `generate`, their two, tokens/s.
@@ -18,6 +18,7 @@ figure is a median of `--repeats` runs; the CPU and the load average are printed
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import time
@@ -70,8 +71,13 @@ class EngineBenchResult:
         return batch * 1000.0 / self.ours_step_ms[batch]
 
 
+_PROMPT_SEEDS = itertools.count()
+
+
 def _prompts(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(batch)
+    """Fresh random prompts on every call (deterministic per run): a repeat must not hit
+    the engine's prefix cache with the previous run's blocks."""
+    generator = torch.Generator().manual_seed(next(_PROMPT_SEEDS))
     return torch.randint(100, vocab - 100, (batch, prompt_len), generator=generator).tolist()
 
 
@@ -93,15 +99,24 @@ def _decode_step_ms(engine: LLMEngine, batch: int, prompt_len: int, steps: int) 
     return statistics.median(times[:-1] or times) * 1000.0  # the last step only finishes
 
 
+def _median_generate_s(engine: LLMEngine, batch: int, prompt_len: int, tokens: int, repeats):
+    """Median seconds of `engine.generate` over fresh prompts each repeat."""
+    times = []
+    for _ in range(repeats):
+        prompts = _prompts(batch, prompt_len, engine.spec.vocab_size)
+        start = time.perf_counter()
+        engine.generate(prompts, _greedy(tokens))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def _prefill_tok_s(engine: LLMEngine, prompt_len: int, repeats: int) -> float:
-    prompts = _prompts(PREFILL_PROMPTS, prompt_len, engine.spec.vocab_size)
-    seconds = median_of(lambda: engine.generate(prompts, _greedy(1)), repeats)
+    seconds = _median_generate_s(engine, PREFILL_PROMPTS, prompt_len, 1, repeats)
     return PREFILL_PROMPTS * prompt_len / seconds
 
 
 def _e2e_tok_s(engine: LLMEngine, batch: int, prompt_len: int, steps: int, repeats) -> float:
-    prompts = _prompts(batch, prompt_len, engine.spec.vocab_size)
-    return batch * steps / median_of(lambda: engine.generate(prompts, _greedy(steps)), repeats)
+    return batch * steps / _median_generate_s(engine, batch, prompt_len, steps, repeats)
 
 
 def _engine(args, max_batch: int) -> LLMEngine:
@@ -227,10 +242,18 @@ def _hf_generate_seconds(model, prompts: list[list[int]], new_tokens: int, repea
 
 
 def _hf_step_ms(model, prompts: list[list[int]], steps: int, repeats: int) -> float:
-    """Steady-state decode step of HF generate: (N+1 tokens - 1 token) / N cancels prefill."""
-    long = _hf_generate_seconds(model, prompts, steps + 1, repeats)
-    short = _hf_generate_seconds(model, prompts, 1, repeats)
-    return (long - short) * 1000.0 / steps
+    """Steady-state decode step of transformers, measured like ours: the batch prefilled
+    with its KV cache, then the median of `steps` one-token forward calls (greedy)."""
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats):
+            out = model(torch.tensor(prompts), use_cache=True)
+            for _ in range(steps):
+                token = out.logits[:, -1].argmax(-1, keepdim=True)
+                start = time.perf_counter()
+                out = model(token, past_key_values=out.past_key_values, use_cache=True)
+                times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1000.0
 
 
 def _hf_continuous_batching_tok_s(model, prompts, new_tokens: int, repeats: int) -> float:

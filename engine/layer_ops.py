@@ -12,7 +12,6 @@ Which set runs is chosen once per model by `make_layer_ops` (the `kernels` knob)
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -21,8 +20,6 @@ import torch.nn.functional as F
 from engine.config import KERNEL_CHOICES
 from engine.config import Kernels as KernelChoice
 from engine.linear import linear
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["KERNEL_CHOICES", "HeadSizes", "KernelChoice", "Linear", "TorchOps", "make_layer_ops"]
 RESIDUAL_DTYPE = torch.float32

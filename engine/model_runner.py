@@ -50,7 +50,9 @@ class StepInputs:
 class ModelRunner:
     """Owned by an engine; `run` is called once per step with the scheduler's chunks."""
 
-    def __init__(self, model: LlamaForward, kv_pool: KVCachePool, cuda_graphs: bool = True):
+    def __init__(self, model: LlamaForward, kv_pool: KVCachePool, cuda_graphs: bool = False):
+        """`cuda_graphs`: replay captured graphs for decode-only steps on CUDA (the engine
+        passes its config's `cuda_graphs`); ignored on other devices."""
         self.model = model
         self.kv_pool = kv_pool
         self.device = model.device

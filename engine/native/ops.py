@@ -1,4 +1,4 @@
-"""The layer operations (`engine.layer_ops`) on the float32 CPU kernels of kernels.c.
+"""The layer operations (`engine.layer_ops`) on the float32 CPU kernels (linear.c, attention.c).
 
 At load, `prepare_linear` packs each projection into strips of `strip` output columns
 ([N / strip][K][strip]) so that every matmul streams its weight sequentially; the
