@@ -10,14 +10,16 @@ Two kinds of figure, never mixed in one column:
   batching (`generate_batch`) measure it: our `generate`, their two, tokens/s.
 
 Each decode step is set against the roofline of the same process's CPU, measured in
-this run (`bench.roofline`, read bandwidth = a sum over 512 MiB): the weights alone
-(bytes streamed per step / read bandwidth: the batch-1 target) and the lower bound
-with the KV cache read too. Prefill is tokens/s of 8 prompts in one batch. Every
+this run (`bench.roofline`; read bandwidth = a sum over 512 MiB, just before and just
+after that batch size's runs, the better of the two): the weights alone (bytes
+streamed per step / read bandwidth: the batch-1 target) and the lower bound with the
+KV cache read too. Prefill is tokens/s of 8 prompts in one batch. Every
 figure is a median of `--repeats` runs; the CPU and the load average are printed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import statistics
@@ -27,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from tqdm import tqdm
 
-from bench.hardware import cpu_model, hardware_profile
+from bench.hardware import cpu_model, hardware_profile, read_bandwidth
 from bench.model_shape import DTYPE_BYTES, streamed_weight_params
 from bench.roofline import decode_step
 from bench.timing import load_average, median_of
@@ -51,6 +53,7 @@ class EngineBenchResult:
     repeats: int
     cpu: str
     read_bandwidth_gbps: float
+    """Measured around the batch-1 run (a sum over 512 MiB, the better of before/after)."""
     weight_bytes: int
     weight_roofline_ms: float
     """Weights streamed per step / read bandwidth: the floor of a batch-1 step."""
@@ -151,16 +154,8 @@ def run_engine_bench(args) -> int:
     engine = _engine(args, max(batch_sizes))
     result = _new_result(engine, args, load_before)
     _decode_step_ms(engine, 1, 16, 4)  # warm-up: first calls pay for allocator and kernel setup
-    context = args.prompt_len + args.decode_steps // 2
-    hardware = hardware_profile("cpu", dtypes=(result.dtype,), threads=args.threads)
     for batch in tqdm(batch_sizes, desc="pdserve decode"):
-        runs = [
-            _decode_step_ms(engine, batch, args.prompt_len, args.decode_steps)
-            for _ in range(args.repeats)
-        ]
-        result.ours_step_ms[batch] = statistics.median(runs)
-        bound = decode_step(engine.spec, hardware, batch, context, result.dtype)
-        result.roofline_step_ms[batch] = bound.lower_bound_s * 1000.0
+        _decode_rows(engine, result, args, batch)
     result.ours_prefill_tok_s = _prefill_tok_s(engine, args.prompt_len, args.repeats)
     for batch in _e2e_batches(batch_sizes):
         result.ours_e2e_tok_s[batch] = _e2e_tok_s(
@@ -178,10 +173,31 @@ def run_engine_bench(args) -> int:
     return 0
 
 
+def _decode_rows(engine: LLMEngine, result: EngineBenchResult, args, batch: int) -> None:
+    """Median decode step of `batch` sequences, and its roofline at the read bandwidth
+    measured just before and just after it (the better of the two: the machine is shared,
+    and a bound taken at a busier moment than the step would flatter the step)."""
+    before = read_bandwidth()
+    runs = [
+        _decode_step_ms(engine, batch, args.prompt_len, args.decode_steps)
+        for _ in range(args.repeats)
+    ]
+    bandwidth = max(before, read_bandwidth())
+    result.ours_step_ms[batch] = statistics.median(runs)
+    hardware = dataclasses.replace(
+        hardware_profile("cpu", dtypes=(result.dtype,), threads=args.threads),
+        memory_bandwidth=bandwidth,
+    )
+    context = args.prompt_len + args.decode_steps // 2
+    bound = decode_step(engine.spec, hardware, batch, context, result.dtype)
+    result.roofline_step_ms[batch] = bound.lower_bound_s * 1000.0
+    if batch == 1 or not result.read_bandwidth_gbps:
+        result.read_bandwidth_gbps = bandwidth / 1e9
+        result.weight_roofline_ms = result.weight_bytes / bandwidth * 1000.0
+
+
 def _new_result(engine: LLMEngine, args, load_before: float) -> EngineBenchResult:
     dtype = engine.config.resolved_dtype
-    hardware = hardware_profile("cpu", dtypes=(dtype,), threads=args.threads)
-    weight_bytes = streamed_weight_params(engine.spec) * DTYPE_BYTES[dtype]
     return EngineBenchResult(
         model=engine.model_id,
         dtype=dtype,
@@ -191,9 +207,9 @@ def _new_result(engine: LLMEngine, args, load_before: float) -> EngineBenchResul
         decode_steps=args.decode_steps,
         repeats=args.repeats,
         cpu=cpu_model(),
-        read_bandwidth_gbps=hardware.memory_bandwidth / 1e9,
-        weight_bytes=weight_bytes,
-        weight_roofline_ms=weight_bytes / hardware.memory_bandwidth * 1000.0,
+        read_bandwidth_gbps=0.0,
+        weight_bytes=streamed_weight_params(engine.spec) * DTYPE_BYTES[dtype],
+        weight_roofline_ms=0.0,
         load_before=load_before,
     )
 
@@ -296,8 +312,8 @@ def format_report(r: EngineBenchResult) -> str:
         f"model {r.model}  dtype {r.dtype}  threads {r.threads}  kernels: {r.kernels}",
         f"CPU {r.cpu}; load average {r.load_before:.2f} before, {r.load_after:.2f} after; "
         f"medians of {r.repeats} runs",
-        f"read bandwidth {r.read_bandwidth_gbps:.2f} GB/s (this run); weights streamed per "
-        f"step {r.weight_bytes / 1e6:.0f} MB -> weight roofline {r.weight_roofline_ms:.1f} ms",
+        f"read bandwidth {r.read_bandwidth_gbps:.2f} GB/s (around the batch-1 run); weights "
+        f"per step {r.weight_bytes / 1e6:.0f} MB -> weight roofline {r.weight_roofline_ms:.1f} ms",
         "",
         f"Steady-state decode (prompts of {r.prompt_len} prefilled; one step = one token per "
         "sequence; roofline = weights + KV read at the read bandwidth):",
@@ -318,8 +334,10 @@ def format_report(r: EngineBenchResult) -> str:
         f"Prefill: {r.ours_prefill_tok_s:.0f} tok/s ({PREFILL_PROMPTS} prompts x {r.prompt_len})"
     )
     if 1 in r.ours_step_ms:
+        stream = r.weight_bytes / r.ours_step_ms[1] / 1e6
         lines.append(
-            f"batch-1 step / weight roofline = {r.ours_step_ms[1] / r.weight_roofline_ms:.2f}"
+            f"batch-1 step / weight roofline = {r.ours_step_ms[1] / r.weight_roofline_ms:.2f} "
+            f"(weights streamed at {stream:.1f} GB/s, read bandwidth {r.read_bandwidth_gbps:.1f})"
         )
     if r.thread_choice:
         lines.append("Thread choice (moving average per thread count; the faster one runs):")
