@@ -85,7 +85,9 @@ class Sampler:
             for i, p in enumerate(params)
             if p.shapes_logits(output_indices[i]) or guides[i] is not None
         ]
-        if shaped:
+        if len(shaped) == len(params):  # every row: no gather and scatter
+            logits = _shape(logits.clone(), params, histories, guides)
+        elif shaped:
             logits = logits.clone()
             logits[shaped] = _shape(
                 logits[shaped],
@@ -166,8 +168,10 @@ def _shape(
     apply_logit_bias(logits, params)
     ban_stops_before_min_tokens(logits, params, histories)
     guided = [i for i, g in enumerate(guides) if g is not None]
-    if guided:
-        words = (logits.shape[-1] + 31) // 32
+    words = (logits.shape[-1] + 31) // 32
+    if len(guided) == len(guides):
+        apply_bitmask(logits, fill_bitmask(guides, words))
+    elif guided:
         masked = logits[guided]
         apply_bitmask(masked, fill_bitmask([guides[i] for i in guided], words))
         logits[guided] = masked
