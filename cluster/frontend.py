@@ -371,8 +371,12 @@ class OpenAIHandler:
 
     async def _collect(self, opened: Opened, fanout: ChoiceFanout) -> dict:
         writers = self._writers(opened)
-        async for index, chunk in fanout.stream():
-            writers[index].add(chunk)
+        stream = fanout.stream()
+        try:
+            async for index, chunk in stream:
+                writers[index].add(chunk)
+        finally:
+            await stream.aclose()  # a cancelled collect stops every choice now
         body = envelope(opened.request_id, opened.parsed, final=True)
         body.update(
             choices=[w.final() for w in writers],
@@ -396,8 +400,9 @@ class OpenAIHandler:
     async def _sse(self, opened: Opened, fanout: ChoiceFanout) -> AsyncIterator[str]:
         parsed = opened.parsed
         writers = self._writers(opened)
+        stream = fanout.stream()
         try:
-            async for index, chunk in fanout.stream():
+            async for index, chunk in stream:
                 choice = writers[index].delta(chunk)
                 if choice is None:
                     continue  # nothing to show yet (a partial UTF-8 character, held-back text)
@@ -414,6 +419,8 @@ class OpenAIHandler:
                 yield format_sse_event(data_str=json.dumps(totals))
         except ApiError as exc:
             yield format_sse_event(data_str=json.dumps(exc.body()))
+        finally:
+            await stream.aclose()
         yield format_sse_event(data_str="[DONE]")
 
 

@@ -352,6 +352,20 @@ def test_vllm_guided_extensions(client, model_id):
                                     "required": ["ok"], "additionalProperties": False}},
     )  # fmt: skip
     assert isinstance(json.loads(obj.choices[0].message.content)["ok"], bool)
+    lark = client.completions.create(
+        model=model_id, prompt="answer:", max_tokens=20, seed=3,
+        extra_body={"guided_grammar": 'start: ("yes" | "no") "!"'},
+    )  # fmt: skip
+    assert lark.choices[0].text in ("yes!", "no!")
+    stream = client.chat.completions.create(
+        model=model_id, messages=messages, max_tokens=200, seed=8, stream=True,
+        response_format={"type": "json_object"},
+    )  # fmt: skip
+    chunks = [c.choices[0] for c in stream if c.choices]
+    text = "".join(c.delta.content or "" for c in chunks)
+    assert text.startswith("{")
+    if chunks[-1].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
 
 
 def test_named_and_required_tool_choice_return_arguments_that_validate(client, model_id, tokenizer):
