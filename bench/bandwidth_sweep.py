@@ -9,6 +9,12 @@ the first token and the transfer overlaps it. Both modes run by default, so one
 sweep shows what the default hides. Next to each measured transfer time it puts the
 expected one, KV bytes per request (from `pdserve_timings`) / cap. Writes a table,
 optional JSON, and a PNG plot.
+
+`--crossover PNG` also plots, from the costs each server measured (the prefill
+worker's step trace, the achieved bandwidth, the call overhead), the prompt length
+above which `disaggregation: auto` prefills remotely at each bandwidth
+(bench/crossover.py); with `--disaggregation auto` the servers run that policy and
+the plot marks the path each request took.
 """
 
 from __future__ import annotations
@@ -21,10 +27,12 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
+import requests
 import yaml
 from tqdm import tqdm
 
 from bench.arrivals import ArrivalSpec
+from bench.crossover import plot_crossover, prefill_costs, receipt_costs
 from bench.prompt_text import PromptMaker
 from bench.report import ms
 from bench.runner import RunSpec, run_once
@@ -34,7 +42,7 @@ from bench.server_process import ServerProcess
 MODES = ("decode", "prefill")
 
 
-def run_point(args, bandwidth: float | None, mode: str, spec: RunSpec) -> dict:
+def run_point(args, bandwidth: float | None, mode: str, spec: RunSpec, port=None) -> dict:
     options = {} if bandwidth is None else {"bandwidth_bytes_per_s": bandwidth}
     config = {
         "model": args.model,
@@ -42,16 +50,20 @@ def run_point(args, bandwidth: float | None, mode: str, spec: RunSpec) -> dict:
         "transport": args.transport,
         "transport_options": options,
         "first_token_from": mode,
+        "disaggregation": args.disaggregation,
     }
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as handle:
         yaml.safe_dump(config, handle)
-    server = ServerProcess(["--config", handle.name], startup_timeout_s=300)
+    server = ServerProcess(["--config", handle.name], startup_timeout_s=300, port=port)
     try:
         result = asyncio.run(run_once(replace(spec, url=server.url), args.maker))
+        steps = requests.get(f"{server.url}/admin/steps", params={"last": 4096}, timeout=30)
     finally:
         server.stop()
         os.unlink(handle.name)
-    return point_summary(result.summary, result.records, bandwidth, mode)
+    point = point_summary(result.summary, result.records, bandwidth, mode)
+    point.update(receipt_costs(result.records), prefill_costs=prefill_costs(steps.json()))
+    return point
 
 
 def point_summary(summary: dict, records, bandwidth: float | None, mode: str) -> dict:
@@ -91,14 +103,28 @@ def run_sweep(args) -> int:
         seed=args.seed,
     )
     results = []
-    for mode, cap in tqdm([(m, c) for m in modes for c in caps], desc="servers (mode, cap)"):
-        results.append(run_point(args, cap, mode, spec))
+    points = [(m, c) for m in modes for c in caps]
+    for index, (mode, cap) in enumerate(tqdm(points, desc="servers (mode, cap)")):
+        port = args.port + index if args.port else None
+        results.append(run_point(args, cap, mode, spec, port))
     print(format_sweep(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     if args.plot:
         plot_sweep(results, args.plot)
+    if args.crossover:
+        running = max(1, args.concurrency - 1)
+        crossings = plot_crossover(results, args.crossover, 16, 512, running)
+        print(format_crossover(crossings, running))
     return 0
+
+
+def format_crossover(points: list, running: int) -> str:
+    lines = [f"auto's crossover (decode worker running {running}): remote from this prompt length"]
+    for mbps, tokens in points:
+        where = f"{tokens} tokens" if tokens is not None else "never (local at every length)"
+        lines.append(f"  {mbps:>10.1f} MB/s  {where}")
+    return "\n".join(lines)
 
 
 def format_sweep(results: list[dict]) -> str:
@@ -200,4 +226,18 @@ def add_bandwidth_parser(kinds) -> None:
     parser.set_defaults(endpoint="completions", output_len="32", token_ids=False)
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--plot", default=None, help="write a PNG plot here")
+    parser.add_argument(
+        "--disaggregation",
+        default="always",
+        choices=["always", "auto"],
+        help="the servers' policy (auto: the crossover plot marks each request's path)",
+    )
+    parser.add_argument(
+        "--crossover",
+        default=None,
+        help="write a PNG of where `disaggregation: auto` switches (prompt length x bandwidth)",
+    )
+    parser.add_argument(
+        "--port", type=int, default=None, help="first server's port (then +1 each; default: free)"
+    )
     parser.set_defaults(func=run_sweep)

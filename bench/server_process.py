@@ -24,8 +24,15 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], env: dict | None = None, startup_timeout_s: float = 300.0):
-        self.port = free_port()
+    def __init__(
+        self,
+        args: list[str],
+        env: dict | None = None,
+        startup_timeout_s: float = 300.0,
+        port: int | None = None,
+    ):
+        """`port`: where the server listens (default: a free one)."""
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(self.port), *args]
         self.output_path = f"/tmp/pdserve-serve-{self.port}.log"
