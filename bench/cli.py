@@ -44,6 +44,7 @@ def add_bench_parser(sub) -> None:
     from bench.compare import add_compare_parser
     from bench.compare_servers import add_compare_servers_parser
     from bench.serve_bench import add_serve_bench_parser
+    from bench.step_trace import add_steps_parser
     from bench.sweep import add_sweep_parser
     from bench.transfer_bench import add_transfer_parser
 
@@ -52,6 +53,7 @@ def add_bench_parser(sub) -> None:
     add_sweep_parser(kinds)
     add_compare_parser(kinds)
     add_compare_servers_parser(kinds)
+    add_steps_parser(kinds)
     add_bandwidth_parser(kinds)
 
 

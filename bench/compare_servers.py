@@ -124,6 +124,19 @@ async def measure(name: str, args, maker) -> dict:
     return {"server": name, "startup_s": round(started.startup_s, 1), "points": entries}
 
 
+async def _engine_bound(url: str, args, point) -> float | None:
+    """What this run's own engine steps allow (bench/engine_bound.py), in output tok/s."""
+    from bench.engine_bound import output_bound
+    from bench.lengths import LengthSpec
+    from bench.loadgen import get_json
+
+    traces = await get_json(url, "/admin/steps?last=4096")
+    prompt = LengthSpec.parse(args.prompt_len).mean
+    output = LengthSpec.parse(args.output_len or "64").mean
+    concurrency = point[1].get("concurrency") or 1
+    return output_bound(traces, int(prompt), int(output), int(concurrency))
+
+
 FIGURES = (
     ("output tok/s", "output_throughput", 1.0, "{:.1f}"),
     ("TTFT p50 ms", "ttft_p50_s", 1000.0, "{:.0f}"),
@@ -141,12 +154,21 @@ def format_table(results: list[dict]) -> str:
         vllm = [r["points"][index]["summary"] for r in results if r["server"].startswith("vllm")]
         best = max(vllm, key=lambda s: s.get("output_throughput") or 0) if vllm else None
         header = f"{'server':<24}" + "".join(f"{name:>22}" for name, *_ in FIGURES)
+        header += f"{'engine-rate bound':>22}"
         lines.append(header)
         for result in results:
             summary = result["points"][index]["summary"]
             cells = [_cell(summary, best, key, scale, fmt) for _, key, scale, fmt in FIGURES]
+            bound = result["points"][index].get("engine_bound")
+            if bound:
+                share = (summary.get("output_throughput") or 0) / bound
+                cells.append(f"{bound:.1f} ({share:.2f} of it)")
             lines.append(f"{result['server']:<24}" + "".join(f"{c:>22}" for c in cells))
     lines.append("\n(x vLLM) = this figure / the best vLLM configuration's at that point")
+    lines.append(
+        "engine-rate bound = output tok/s the run's own engine steps allow for the workload "
+        "(bench/engine_bound.py); (N of it) = measured / bound"
+    )
     return "\n".join(lines)
 
 

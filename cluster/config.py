@@ -47,6 +47,10 @@ class ClusterConfig(ModelSettings):
     """KV blocks per prefill worker (holds prompts until their KV is exported and acked)."""
     decode_kv_blocks: int = 2048
     """KV blocks per decode (or colocated) worker: its admission capacity."""
+    prefill_batch_tokens: int | None = None
+    """Step budget of prefill workers (tokens). None: `max_batch_tokens` on GPUs, and on
+    CPUs `prefill_chunk_size`: a CPU's prefill is compute-bound from a few hundred
+    tokens on, so a bigger step only holds back every first token in it."""
     transport: TransportName = "auto"
     """KV transport: `auto` (shm on one node, collective across nodes), shm, collective, grpc, local."""
     transport_options: dict = field(default_factory=dict)
@@ -161,12 +165,20 @@ class ClusterConfig(ModelSettings):
         """The engine settings of one worker of `role` (colocated workers use `decode`)."""
         shared = {f.name: getattr(self, f.name) for f in fields(ModelSettings)}
         blocks = self.prefill_kv_blocks if role == "prefill" else self.decode_kv_blocks
+        if role == "prefill":
+            shared["max_batch_tokens"] = self.prefill_step_tokens
         return EngineConfig(
             **shared,
             device=self.device,
             num_kv_blocks=blocks,
             num_threads=self.threads_per_worker,
         )
+
+    @property
+    def prefill_step_tokens(self) -> int:
+        if self.prefill_batch_tokens is not None:
+            return self.prefill_batch_tokens
+        return self.max_batch_tokens if self.device != "cpu" else self.prefill_chunk_size
 
     def kv_transport_options(self):
         """The validated `kv_transfer.TransportOptions` every prefill and decode worker

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from bench.compare_servers import format_table
 
 
@@ -20,3 +22,25 @@ def test_ratios_are_against_the_best_vllm_configuration_at_each_point():
     row = next(line for line in table.splitlines() if line.startswith("pdserve-colocated"))
     assert "25.0 (1.25x)" in row and "400 (0.80x)" in row
     assert "ITL" in table and "-" in row  # a figure a server did not report stays blank
+
+
+def steps(fixed: float, per_token: float, per_seq: float, shapes) -> list[dict]:
+    return [
+        {"prefill_tokens": p, "decode_seqs": d, "seconds": fixed + per_token * p + per_seq * d}
+        for p, d in shapes
+    ]
+
+
+def test_the_engine_rate_bound_comes_from_the_fitted_steps():
+    from bench.engine_bound import fit, output_bound
+
+    shapes = [(256, 0), (512, 0), (0, 4), (0, 16), (128, 8), (0, 1)]
+    prefill = steps(0.01, 0.002, 0.0, shapes)  # 0.522 s per 256-token prompt
+    decode = steps(0.02, 0.0, 0.005, shapes)  # 0.1 s per 16-sequence step
+    assert fit(prefill) == pytest.approx((0.01, 0.002, 0.0), abs=1e-9)
+    traces = {"prefill-0": prefill, "decode-0": decode}
+    # prefill allows 1 / 0.522 req/s x 64 tokens = 122.6 tok/s; decode 16 / 0.1 = 160
+    assert output_bound(traces, 256, 64, 16) == pytest.approx(64 / 0.522, rel=1e-6)
+    colocated = {"colocated-0": steps(0.01, 0.002, 0.005, shapes)}
+    per_request = 0.522 + 64 * (0.01 + 0.005 * 16) / 16
+    assert output_bound(colocated, 256, 64, 16) == pytest.approx(64 / per_request, rel=1e-6)

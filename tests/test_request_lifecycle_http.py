@@ -9,6 +9,7 @@ and struck there; requests carry an `X-Request-Id` tag to be found by.
 
 from __future__ import annotations
 
+import itertools
 import json
 import socket
 import time
@@ -49,8 +50,15 @@ def model_id(tiny_llama_dir):
     return tiny_llama_dir.name
 
 
+_SALTS = itertools.count(1)
+
+
 def body(model_id: str, prompt_len: int, max_tokens: int, stream: bool) -> dict:
-    prompt = [(11 * i) % 300 + 3 for i in range(prompt_len)]
+    """A greedy completion of a prompt no other request shares a block with: the prefix
+    cache would otherwise serve a victim's prompt from a blocker's, and the victim would
+    never wait where the test strikes it."""
+    salt = next(_SALTS)
+    prompt = [salt % 300 + 3] + [(11 * i + salt) % 300 + 3 for i in range(prompt_len - 1)]
     return {
         "model": model_id,
         "prompt": prompt,
