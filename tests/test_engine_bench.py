@@ -31,7 +31,9 @@ def test_report_separates_steady_state_decode_from_end_to_end():
     report = format_report(result)
 
     assert "Steady-state decode" in report and "prefill included" in report
-    assert "CPU AMD EPYC" in report and "read bandwidth 25.00 GB/s (around the batch-1 run)" in report
+    assert (
+        "CPU AMD EPYC" in report and "read bandwidth 25.00 GB/s (around the batch-1 run)" in report
+    )
     assert "batch-1 step / weight roofline = 1.07 (weights streamed at 23.4 GB/s" in report
     steady = next(line for line in report.splitlines() if line.split()[:1] == ["16"])
     assert steady.split()[-1] == "3.33"  # ours vs HF, both steady state (200 / 60 ms)

@@ -36,10 +36,11 @@ def run_alone(engine, prompt):
     return seq.output_token_ids, seq.num_cached_tokens
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_greedy_tokens_are_identical_with_and_without_the_cache(tiny_model_dirs, family):
+@pytest.mark.parametrize(("family", "chunk"), [("llama", 512), ("llama", 5), ("qwen2", 512)])
+def test_greedy_tokens_are_identical_with_and_without_the_cache(tiny_model_dirs, family, chunk):
     model_dir = tiny_model_dirs[family]
-    cached = make_engine(model_dir, block_size=BLOCK)
+    # chunk 5: the rest of a prompt after its cached blocks is prefilled in pieces
+    cached = make_engine(model_dir, block_size=BLOCK, prefill_chunk_size=chunk)
     plain = make_engine(model_dir, block_size=BLOCK, prefix_caching=False)
     hits = {}
     for name, prompt in PROMPTS:
