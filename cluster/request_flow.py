@@ -135,6 +135,7 @@ class RequestFlow:
     async def _prefill_on_some_worker(self, req: ClusterRequest) -> PrefillResult | str | None:
         """First prefill worker that answers; None when none is alive; `_PREFILL_ON_DECODE`
         when `disaggregation: auto` chose the decode worker."""
+        retried = False
         while True:
             try:
                 pick = self.router.pick("prefill", req.request_id, tokens=req.prompt_ids)
@@ -154,6 +155,7 @@ class RequestFlow:
             except WORKER_FAILURES as exc:
                 req.let_go(worker)
                 self._failed(claim, exc, req, "prefill_died")
+                retried = True
                 continue
             finally:
                 claim.release()
@@ -161,6 +163,8 @@ class RequestFlow:
                 req.let_go(worker)
                 raise RequestFailedError(req.request_id, reply.kind, reply.message)
             req.timeline.on_prefill(sent, time.monotonic(), reply)
+            if retried:
+                req.timeline.recovery_paths.append("prefill_retry")
             if reply.ticket is None:
                 req.let_go(worker)
             else:
@@ -305,6 +309,7 @@ class RequestFlow:
         if self.config.on_transfer_failure == "recompute":
             req.timeline.recomputed = True
             req.timeline.recoveries.append("transfer_failed")
+            req.timeline.recovery_paths.append("recompute")
             self._warn_recompute(prefill, event)
 
     def _warn_recompute(self, prefill: str, event: ImportEvent) -> None:
