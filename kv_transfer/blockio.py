@@ -9,8 +9,8 @@ block-major: consecutive block ids are consecutive bytes.
 
 from __future__ import annotations
 
-from collections import deque
-from concurrent.futures import Executor
+import threading
+from concurrent.futures import FIRST_EXCEPTION, Executor, wait
 from dataclasses import dataclass
 
 import torch
@@ -105,38 +105,71 @@ def copy_pieces_parallel(
     src_flat: torch.Tensor,
     dst_flat: torch.Tensor,
     pieces: list[Piece],
-    step,
+    corrupt: set[int],
+    check,
     verify_piece,
     executor: Executor,
     lanes: int,
+    tick=None,
+    tick_s: float = 1.0,
 ) -> None:
-    """`copy_pieces` for CPU pools with up to `lanes` pieces copied at once by `executor`.
+    """`copy_pieces` for CPU pools, the pieces split into `lanes` contiguous stripes that
+    `executor` copies at once, one task per stripe (a task per piece cost a handoff and
+    a GIL round per MiB).
 
-    `step(piece)` still runs in order on the calling thread; `verify_piece(offset,
-    nbytes)` runs on the copying thread right after the piece's copy, while it is in
-    that core's cache.
+    Each lane runs `check()` before each piece (raises to stop: cancellation, deadline),
+    copies it, flips its first byte when its index is in `corrupt` (receiver-side fault
+    injection), and calls `verify_piece(offset, nbytes)` while the piece is still in
+    that core's cache. The calling thread waits, calling `tick()` every `tick_s` (lease
+    heartbeats of a long transfer). A failing lane stops the others at their next piece.
     Returns (or raises) only once no copy is running, so a caller that frees the
     destination blocks on failure never races a copy into them.
     """
     src_all, dst_all = src_flat.numpy(), dst_flat.numpy()
+    failed = threading.Event()
 
-    def copy_one(piece: Piece, corrupt: bool) -> None:
-        dst = dst_all[piece.dst : piece.dst + piece.nbytes]
-        dst[:] = src_all[piece.src : piece.src + piece.nbytes]  # numpy releases the GIL
-        if corrupt:
-            dst[0] = 255 - int(dst[0])
-        verify_piece(piece.offset, piece.nbytes)
+    def copy_stripe(indexes: range) -> None:
+        try:
+            for i in indexes:
+                if failed.is_set():
+                    return
+                check()
+                piece = pieces[i]
+                dst = dst_all[piece.dst : piece.dst + piece.nbytes]
+                dst[:] = src_all[piece.src : piece.src + piece.nbytes]  # releases the GIL
+                if i in corrupt:
+                    dst[0] = 255 - int(dst[0])
+                verify_piece(piece.offset, piece.nbytes)
+        except BaseException:
+            failed.set()
+            raise
 
-    in_flight: deque = deque()
+    futures = [executor.submit(copy_stripe, r) for r in stripes(pieces, lanes)]
     try:
-        for piece in pieces:
-            corrupt = step(piece)
-            if len(in_flight) >= lanes:
-                in_flight.popleft().result()
-            in_flight.append(executor.submit(copy_one, piece, corrupt))
-        while in_flight:
-            in_flight.popleft().result()
+        while True:
+            _, pending = wait(futures, timeout=tick_s, return_when=FIRST_EXCEPTION)
+            if not pending or failed.is_set():
+                break
+            if tick is not None:
+                tick()
+    except BaseException:
+        failed.set()
+        raise
     finally:
-        for future in in_flight:  # only left after a failure
-            if not future.cancel():
-                future.exception()  # wait for the running copy; the first error wins
+        wait(futures)  # no copy may outlive the call
+    for future in futures:
+        future.result()  # the first lane's error, if any
+
+
+def stripes(pieces: list[Piece], lanes: int) -> list[range]:
+    """At most `lanes` contiguous index ranges of about equal bytes."""
+    total = total_bytes(pieces)
+    out, start, acc = [], 0, 0
+    for i, piece in enumerate(pieces):
+        acc += piece.nbytes
+        if acc * lanes >= total * (len(out) + 1) and len(out) < lanes - 1:
+            out.append(range(start, i + 1))
+            start = i + 1
+    if start < len(pieces):
+        out.append(range(start, len(pieces)))
+    return out

@@ -8,11 +8,10 @@ while it is still in cache (and, for collective, while the next piece is in flig
 CHECKSUM and names the blocks (the caller frees its destination blocks, as for any failure).
 
 Two algorithms, named in the ticket so both ends agree:
-- `crc32`: zlib over the block's bytes (~2 GB/s here).
-- `fast` (default): the block read as uint64 words in 4 KiB rows, each row summed
-  (wrapping), then crc32 over the row sums. Any changed word changes its row sum and
-  rows are position-checked by the crc, so a flipped bit or a misplaced chunk is caught;
-  it runs near memory speed, so verification does not dominate a same-node copy.
+- `xxh3_64` (default): XXH3 from the `xxhash` library, 64 bits over the block's bytes.
+  It runs at tens of GB/s on one core with the GIL released, so on a 2-core box the
+  verification thread takes a small share of a core from the transport's own threads.
+- `crc32`: zlib over the block's bytes (~3 GB/s here), for peers without xxhash.
 """
 
 from __future__ import annotations
@@ -21,10 +20,9 @@ import zlib
 
 import numpy as np
 import torch
+import xxhash
 
 from kv_transfer.base import ExportTicket, FailureReason, KVTransferError
-
-ROW_WORDS = 512  # 4 KiB rows of uint64
 
 
 def block_bytes(block: torch.Tensor) -> np.ndarray:
@@ -33,15 +31,12 @@ def block_bytes(block: torch.Tensor) -> np.ndarray:
 
 
 def checksum(data: np.ndarray, algo: str) -> int:
-    """Checksum of one block's bytes (uint8 array)."""
+    """Checksum of one block's bytes (a contiguous uint8 array)."""
+    if algo == "xxh3_64":
+        return xxhash.xxh3_64_intdigest(data)
     if algo == "crc32":
         return zlib.crc32(data)
-    if algo != "fast":
-        raise ValueError(f"unknown checksum {algo!r}")
-    whole = data.size - data.size % (8 * ROW_WORDS)
-    rows = data[:whole].view(np.uint64).reshape(-1, ROW_WORDS)
-    sums = np.add.reduce(rows, axis=1, dtype=np.uint64)
-    return zlib.crc32(data[whole:], zlib.crc32(sums))
+    raise ValueError(f"unknown checksum {algo!r}")
 
 
 def block_checksums(kv: torch.Tensor, block_ids: list[int], algo: str) -> list[int]:

@@ -3,6 +3,7 @@ shaping, options, refusals (layout, token, unknown request)."""
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 import time
@@ -25,7 +26,7 @@ from kv_transfer import (
     make_receiver,
     make_sender,
 )
-from kv_transfer.blockio import copy_pieces_parallel, flat_bytes, plan_pieces
+from kv_transfer.blockio import copy_pieces_parallel, flat_bytes, plan_pieces, stripes
 from kv_transfer.integrity import checksum
 from kv_transfer.ownership import ExportRegistry
 from tests.kv_transfer_peer import LAYOUT, random_pool
@@ -77,7 +78,7 @@ def test_transfer_state_is_ordered():
 # --- integrity and planning --------------------------------------------------------
 
 
-@pytest.mark.parametrize("algo", ["fast", "crc32"])
+@pytest.mark.parametrize("algo", ["xxh3_64", "crc32"])
 def test_checksum_catches_a_flipped_bit_and_swapped_rows(algo):
     data = np.random.default_rng(0).integers(0, 255, 64 << 10, dtype=np.uint8)
     reference = checksum(data, algo)
@@ -100,37 +101,49 @@ def test_plan_pieces_are_contiguous_on_both_sides():
     ]
 
 
-@pytest.mark.parametrize("failing_piece", [None, 3])
-def test_parallel_copy_is_exact_and_drains_before_a_failure_returns(failing_piece):
+@pytest.mark.parametrize("failing_check", [None, 3])
+def test_parallel_copy_is_exact_and_drains_before_a_failure_returns(failing_check):
     src = torch.randint(0, 255, (64 * 1024,), dtype=torch.uint8)
     dst = torch.zeros_like(src)
     pieces = plan_pieces(list(range(8)), [7, 6, 5, 4, 3, 2, 1, 0], 8192, 8192)
     running: list[int] = []
     verified: list[int] = []
+    checks = itertools.count()
 
-    def step(piece):
-        if pieces.index(piece) == failing_piece:
+    def check():
+        if failing_check is not None and next(checks) >= failing_check:
             raise TimeoutError("deadline")
-        return False
 
     def verify(offset, nbytes):
         running.append(1)
-        time.sleep(0.01)  # a slow copy still in flight when the step fails
+        time.sleep(0.01)  # a slow copy still in flight when the other lane fails
         verified.append(offset)
         running.pop()
 
+    def copy(corrupt=frozenset()):
+        copy_pieces_parallel(
+            flat_bytes(src), flat_bytes(dst), pieces, set(corrupt), check, verify, pool, 2
+        )
+
     with ThreadPoolExecutor(2) as pool:
-        if failing_piece is None:
-            copy_pieces_parallel(flat_bytes(src), flat_bytes(dst), pieces, step, verify, pool, 2)
+        if failing_check is None:
+            copy()
             assert sorted(verified) == [p.offset for p in pieces]
             assert torch.equal(dst.view(8, 8192).flip(0), src.view(8, 8192))
+            copy(corrupt={5})  # receiver-side fault injection flips piece 5's first byte
+            assert int(dst[2 * 8192]) == 255 - int(src[5 * 8192])
         else:
             with pytest.raises(TimeoutError):
-                copy_pieces_parallel(
-                    flat_bytes(src), flat_bytes(dst), pieces, step, verify, pool, 2
-                )
+                copy()
             assert not running  # nothing still writes into blocks the caller will free
-            assert len(verified) <= failing_piece
+            assert len(verified) <= failing_check < len(pieces)
+
+
+def test_stripes_split_pieces_into_contiguous_lanes_of_equal_bytes():
+    pieces = plan_pieces(list(range(10)), list(range(10)), 100, 100)
+    assert stripes(pieces, 2) == [range(0, 5), range(5, 10)]
+    assert stripes(pieces, 3) == [range(0, 4), range(4, 7), range(7, 10)]
+    assert stripes(pieces[:1], 4) == [range(0, 1)]
 
 
 # --- refusals -------------------------------------------------------------------------

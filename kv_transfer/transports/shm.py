@@ -315,13 +315,16 @@ class ShmReceiver(TransportReceiver):
         beat_every = ticket.lease_ttl_s / 3
         last_beat = time.monotonic()
 
-        def step(piece) -> bool:
+        def beat() -> None:
             nonlocal last_beat
+            confirm()  # the begin reply comes first on this connection
+            self._call(conn, ticket, deadline, {"op": "heartbeat"})
+            last_beat = time.monotonic()
+
+        def step(piece) -> bool:
             remaining(deadline, ticket)
             if time.monotonic() - last_beat > beat_every:
-                confirm()  # the begin reply comes first on this connection
-                self._call(conn, ticket, deadline, {"op": "heartbeat"})
-                last_beat = time.monotonic()
+                beat()
             shaper.pace(piece.nbytes)
             return faults.hit(piece.offset, piece.nbytes)
 
@@ -331,8 +334,18 @@ class ShmReceiver(TransportReceiver):
         if self._copier is None or shaper.active or len(pieces) < 2:
             copy_pieces(src, dst, pieces, step, verifier.landed)
         else:
+            corrupt = {i for i, p in enumerate(pieces) if faults.hit(p.offset, p.nbytes)}
             copy_pieces_parallel(
-                src, dst, pieces, step, verifier.verify_piece, self._copier, self.copy_lanes
+                src,
+                dst,
+                pieces,
+                corrupt,
+                lambda: remaining(deadline, ticket),
+                verifier.verify_piece,
+                self._copier,
+                self.copy_lanes,
+                tick=beat,
+                tick_s=beat_every,
             )
         shaper.finish()
         return total_bytes(pieces)
