@@ -119,9 +119,22 @@ async def measure(name: str, args, maker) -> dict:
         entries = await run_points(
             points, maker, args.repeats, printer=lambda text: print(f"[{name}] {text}")
         )
+        if name.startswith("pdserve"):
+            await _add_engine_bounds(started.url, args, entries)
     finally:
         started.stop()
     return {"server": name, "startup_s": round(started.startup_s, 1), "points": entries}
+
+
+async def _add_engine_bounds(url: str, args, entries: list[dict]) -> None:
+    """Each point's engine-rate bound, from the server's step trace before it stops (the
+    trace spans every point's runs; the fit is of step costs, which do not depend on
+    the load that produced them)."""
+    for entry in entries:
+        try:
+            entry["engine_bound"] = await _engine_bound(url, args, (None, entry["variable"]))
+        except Exception as exc:  # a missing trace must not lose the measured runs
+            print(f"engine-rate bound unavailable: {exc!r}")
 
 
 async def _engine_bound(url: str, args, point) -> float | None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import platform
-import time
 from dataclasses import dataclass, field
 
 TFLOPS = 1e12
@@ -149,28 +148,23 @@ def read_bandwidth(num_bytes: int = 256 << 20, repeats: int = 5) -> float:
     """Bytes/s of a read-only pass (sum) over a tensor much larger than the last-level cache."""
     import torch
 
+    from bench.timing import best_of
+
     data = torch.ones(num_bytes // 4, dtype=torch.float32)
     data.sum()
-    return num_bytes / _best_time(data.sum, repeats)
+    return num_bytes / best_of(data.sum, repeats)
 
 
 def matmul_flops(dtype, n: int = 1536, repeats: int = 3) -> float:
     """FLOP/s of an n x n x n matmul in `dtype` (2 n^3 FLOPs), best of `repeats`."""
     import torch
 
+    from bench.timing import best_of
+
     a = torch.randn(n, n).to(dtype)
     b = torch.randn(n, n).to(dtype)
     torch.mm(a, b)
-    return 2 * n**3 / _best_time(lambda: torch.mm(a, b), repeats)
-
-
-def _best_time(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+    return 2 * n**3 / best_of(lambda: torch.mm(a, b), repeats)
 
 
 def cpu_model() -> str:

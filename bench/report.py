@@ -114,6 +114,7 @@ def record_row(record: RequestRecord, t0: float) -> dict:
         "e2e_s": record.e2e_s,
         "itl_s": [round(gap, 6) for gap in record.itl_s],
         "server_timings": record.server_timings,
+        "text": record.text,
     }
 
 

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 
 import torch
+
+from bench.hardware import cpu_model
 
 SCHEMA = {
     "type": "object",
@@ -36,17 +37,6 @@ SCHEMA = {
 ANSWER = '{"name": "Ada Lovelace", "age": 36, "city": "Paris", "tags": ["math", "engines"]}'
 REGEX = r"\d{3}-[a-z]{4}-[A-Z][a-z]+"
 REGEX_ANSWER = "123-abcd-Hello"
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 class _Llguidance:
@@ -228,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     import os
 
-    print(f"CPU: {_cpu_model()}  load average: {os.getloadavg()[0]:.2f}  threads: 1")
+    print(f"CPU: {cpu_model()}  load average: {os.getloadavg()[0]:.2f}  threads: 1")
     header = "engine       grammar tokens  setup ms  compile ms  fill us (p50/p90)  apply us"
     print(header)
     for r in measure(args.model, args.repeats):

@@ -22,6 +22,7 @@ import multiprocessing as mp
 import socket
 import time
 
+from bench.hardware import cpu_model
 from bench.transfer_peers import PATHS, installed_peers, measure_peer, peer_problem
 
 MIB = 1 << 20
@@ -469,7 +470,7 @@ def _as_json(rows: dict, transports: list[str], actual: dict, chunk: int, peers:
     import os
 
     return {
-        "machine": {"cpu": _cpu_model(), "cores": os.cpu_count()},
+        "machine": {"cpu": cpu_model(), "cores": os.cpu_count()},
         "chunk_bytes": chunk,
         "transports_used": actual,
         "peers": {p: PATHS[p] for p in peers},
@@ -480,14 +481,3 @@ def _as_json(rows: dict, transports: list[str], actual: dict, chunk: int, peers:
         "units": "GB/s (1e9 bytes/s)",
         "ratio_baselines": {t: _baseline(t) for t in [*transports, *peers]},
     }
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"

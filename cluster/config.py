@@ -48,9 +48,10 @@ class ClusterConfig(ModelSettings):
     decode_kv_blocks: int = 2048
     """KV blocks per decode (or colocated) worker: its admission capacity."""
     prefill_batch_tokens: int | None = None
-    """Step budget of prefill workers (tokens). None: `max_batch_tokens` on GPUs, and on
-    CPUs `prefill_chunk_size`: a CPU's prefill is compute-bound from a few hundred
-    tokens on, so a bigger step only holds back every first token in it."""
+    """Step budget of prefill workers (tokens), and on CPUs also the cap of a colocated
+    worker's step. None: `max_batch_tokens` on GPUs, and on CPUs `prefill_chunk_size`: a
+    CPU's prefill is compute-bound from a few hundred tokens on, so a bigger step only
+    holds back every first token in it (and, colocated, stalls every stream in it)."""
     transport: TransportName = "auto"
     """KV transport: `auto` (shm on one node, collective across nodes), shm, collective, grpc, local."""
     transport_options: dict = field(default_factory=dict)
@@ -167,6 +168,10 @@ class ClusterConfig(ModelSettings):
         blocks = self.prefill_kv_blocks if role == "prefill" else self.decode_kv_blocks
         if role == "prefill":
             shared["max_batch_tokens"] = self.prefill_step_tokens
+        elif self.mode == "colocated" and self.device == "cpu":
+            # One engine for both phases: a step's prefill stalls every stream in it, and
+            # on a CPU a bigger step buys little prefill rate (docs/benchmarks.md, issue 17).
+            shared["max_batch_tokens"] = min(self.max_batch_tokens, self.prefill_step_tokens)
         return EngineConfig(
             **shared,
             device=self.device,
