@@ -11,7 +11,9 @@ time until the request can decode on its decode worker, each way:
            + call overhead (measured: the prefill call's span minus the worker's phases)
            + the transfer of the blocks the decode worker's cache lacks, at the link's
              measured bandwidth (before any measurement: the configured cap, if any)
-    local  = the decode worker's prefill of the tokens its own cache lacks. With a
+    local  = the prompts already sent to the decode worker to prefill there (queued
+             ahead of this one) + the decode worker's prefill of the tokens its own
+             cache lacks. With a
              running batch the pieces ride in its decode steps, whose fixed cost is paid
              anyway, and every running stream waits as long: that stall counts once
              more (`INTERFERENCE_WEIGHT`). An idle decode worker pays the fixed cost
@@ -62,6 +64,8 @@ class PathInputs:
     prefill_cached_tokens: int = 0
     decode_cached_tokens: int = 0
     prefill_queue_tokens: int = 0
+    decode_queue_tokens: int = 0
+    """Prompt tokens the decode worker was already asked to prefill itself."""
     decode_running: int = 0
     overhead_s: float = DEFAULT_OVERHEAD_S
 
@@ -103,10 +107,12 @@ def predict(inputs: PathInputs) -> tuple[float, float, int]:
         + inputs.overhead_s
         + moved * inputs.block_bytes / inputs.bandwidth
     )
+    queued = (d.prefill_token_s or 0.0) * inputs.decode_queue_tokens
     if inputs.decode_running > 0:
-        local = (1 + INTERFERENCE_WEIGHT) * _prefill_s(d, local_tokens, inputs.prefill_chunk, False)
+        own = _prefill_s(d, local_tokens, inputs.prefill_chunk, False)
+        local = queued + (1 + INTERFERENCE_WEIGHT) * own
     else:
-        local = _prefill_s(d, local_tokens, inputs.prefill_chunk)
+        local = queued + _prefill_s(d, local_tokens, inputs.prefill_chunk)
     return remote, local, moved
 
 
@@ -202,6 +208,7 @@ class Disaggregation:
             prefill_cached_tokens=on_prefill,
             decode_cached_tokens=min(on_decode, (len(tokens) - 1) // size * size),
             prefill_queue_tokens=max(0, prefill.claimed_tokens - own_work),
+            decode_queue_tokens=decode.local_prefill_tokens,
             decode_running=max(getattr(decode.load, "num_running", 0), decode.in_flight - 1),
             overhead_s=self.costs.overhead_s,
         )

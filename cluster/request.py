@@ -19,7 +19,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cluster.router import Claim, WorkerInfo
+from cluster.router import Claim, LocalPrefill, WorkerInfo
 from cluster.timeline import RequestTimeline
 from engine.logprobs import TokenLogprobs
 from engine.sampling_params import SamplingParams
@@ -94,6 +94,8 @@ class ClusterRequest:
         self.exporter: WorkerInfo | None = None
         """The prefill worker whose lease holds that export."""
         self.decode_pick: Claim | None = None
+        self.local_prefill: LocalPrefill | None = None
+        """Set when `auto` sent the prompt to the decode worker to prefill."""
         """The decode worker picked together with the prefill worker (the export's peer)."""
         self.last_chunk: GenerationChunk | None = None
         self.close_reason: CloseReason | None = None
@@ -108,8 +110,9 @@ class ClusterRequest:
 
     # --- what the flow records ----------------------------------------------------------
 
-    def claim(self, claim: Claim) -> Claim:
-        """Track a claim from `Router.pick`; close releases it if the flow did not."""
+    def claim(self, claim: Claim | LocalPrefill):
+        """Track a claim from `Router.pick` (or a decode worker's `LocalPrefill`); close
+        releases it if the flow did not."""
         self._claims.append(claim)
         return claim
 

@@ -47,7 +47,7 @@ from cluster.request import (
     RequestFailedError,
     TransferFailedError,
 )
-from cluster.router import Claim, NoLiveWorkerError, Router, WorkerInfo
+from cluster.router import Claim, LocalPrefill, NoLiveWorkerError, Router, WorkerInfo
 from engine.kv_cache import KVLayout
 from engine.worker_messages import (
     DecodeRequest,
@@ -146,6 +146,8 @@ class RequestFlow:
             _note_route(req, claim)
             if self._prefill_on_decode(req, claim):
                 claim.release()
+                hold = LocalPrefill(req.decode_pick.worker, len(req.prompt_ids))
+                req.local_prefill = req.claim(hold)
                 return _PREFILL_ON_DECODE
             worker = claim.worker
             req.hold(worker)
@@ -263,6 +265,9 @@ class RequestFlow:
             claim.release()
 
     def _on_tokens(self, req: ClusterRequest, item: TokenEvent, worker: WorkerInfo):
+        if req.local_prefill is not None:  # its prompt is computed: no longer queued
+            req.local_prefill.release()
+            req.local_prefill = None
         if req.pending_first is not None:
             first, req.pending_first = req.pending_first, None
             yield first

@@ -64,6 +64,9 @@ class WorkerInfo:
     claimed_tokens: int = 0
     """Tokens of work those claims bring: prompt tokens still to compute on a prefill
     worker, prompt tokens resident on a decode worker."""
+    local_prefill_tokens: int = 0
+    """Decode workers: prompt tokens it was asked to prefill itself (`disaggregation:
+    auto` chose local) and has not answered yet; `LocalPrefill` holds them."""
     restarts: int = 0
     """Restarts over the cluster's life (a counter for metrics)."""
     generation: int = 0
@@ -127,6 +130,25 @@ class Claim:
             self.released = True
             self.worker.in_flight -= 1
             self.worker.claimed_tokens -= self.load_tokens
+
+
+@dataclass
+class LocalPrefill:
+    """A decode worker's promise to prefill one prompt itself, counted in its
+    `local_prefill_tokens` from the `auto` decision until its first token (or the
+    request's close); `release()` is idempotent, like a `Claim`'s."""
+
+    worker: WorkerInfo
+    tokens: int
+    released: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        self.worker.local_prefill_tokens += self.tokens
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.worker.local_prefill_tokens -= self.tokens
 
 
 class Policy:

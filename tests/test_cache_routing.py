@@ -14,7 +14,7 @@ from cluster.disaggregation import (
     crossover_prompt_len,
     predict,
 )
-from cluster.router import BALANCE_ABS, BALANCE_REL, Router, WorkerInfo
+from cluster.router import BALANCE_ABS, BALANCE_REL, LocalPrefill, Router, WorkerInfo
 from engine.llm_engine import StepRecord
 from engine.prefix_cache import CacheReport, hash_seed, prompt_hashes
 from engine.step_costs import fit_step_costs
@@ -205,6 +205,28 @@ def test_an_idle_decode_worker_or_a_queued_prefill_worker_keeps_prompts_local():
     prefill, busy = pair()
     prefill.claimed_tokens = 4000  # four long prompts ahead of this one
     assert decider().choose(tokens(1024, salt=2), prefill, busy).path == "local"
+
+
+def test_prompts_already_sent_to_the_decode_worker_count_against_local():
+    """A burst: each prompt auto sends to the decode worker queues behind the ones sent
+    before it, so after a few the prefill worker is the cheaper path again."""
+    prefill, decode = pair(decode_running=0)
+    d = decider()
+    paths, holds = [], []
+    for salt in range(8):
+        prompt = tokens(256, salt=10 + salt)
+        choice = d.choose(prompt, prefill, decode)
+        paths.append(choice.path)
+        if choice.path == "local":
+            holds.append(LocalPrefill(decode, len(prompt)))
+        else:
+            prefill.claimed_tokens += len(prompt)
+    assert paths[0] == "local" and "remote" in paths
+    assert decode.local_prefill_tokens == 256 * paths.count("local")
+    for hold in holds:
+        hold.release()
+        hold.release()  # idempotent
+    assert decode.local_prefill_tokens == 0
 
 
 def test_what_the_decode_worker_holds_makes_the_local_path_cheap():
