@@ -148,7 +148,6 @@ class CollectiveServer:
         failure = FailureReason.PEER_DIED
         try:
             self._send_pieces(group, request_id, pieces, shaper)
-            send_message(conn, {"done": True, "nbytes": total_bytes(pieces)})
             failure = None
         except DropTransfer:
             failure = FailureReason.DROPPED
@@ -156,6 +155,9 @@ class CollectiveServer:
             raise ChannelClosed("dropped by fault injection") from None
         finally:
             self.sender.registry.end_transfer(request_id, total_bytes(pieces), failure)
+        # Recorded before `done` leaves: the receiver may read the stats the moment it
+        # has `done` (as in the gRPC server).
+        send_message(conn, {"done": True, "nbytes": total_bytes(pieces)})
 
     def _send_pieces(self, group, request_id: str, pieces: list[Piece], shaper: Shaper) -> None:
         flat = flat_bytes(self.sender.pool.kv)
