@@ -13,6 +13,8 @@ the sender's ids and writes them under the receiver's ids.
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +60,16 @@ class KVLayout:
         )
 
 
+def _zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor in anonymous memory, which the kernel zeroes page by page on first
+    touch: `torch.zeros` writes every page of a multi-GiB pool up front, most of a
+    second of each worker's (re)start, for blocks that may never be used."""
+    numel = math.prod(shape)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    pages = mmap.mmap(-1, max(nbytes, 1))
+    return torch.frombuffer(pages, dtype=dtype, count=numel).view(shape)
+
+
 class KVCachePool:
     """Storage of the paged KV cache; allocation lives in `BlockAllocator`."""
 
@@ -67,11 +79,11 @@ class KVCachePool:
         self.layout = layout
         self.num_blocks = num_blocks
         self.shm_path: str | None = None
-        self.kv = torch.zeros(
-            (num_blocks, *layout.block_shape),
-            dtype=getattr(torch, layout.dtype),
-            device=device,
-        )
+        shape, dtype = (num_blocks, *layout.block_shape), getattr(torch, layout.dtype)
+        if torch.device(device).type == "cpu":
+            self.kv = _zero_pages(shape, dtype)
+        else:
+            self.kv = torch.zeros(shape, dtype=dtype, device=device)
         if shm_path is not None:
             self.move_to_shared_memory(shm_path)
 

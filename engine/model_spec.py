@@ -1,11 +1,19 @@
-"""What the engine needs to know about a Llama-family checkpoint, read from config.json."""
+"""What the engine needs to know about a Llama-family checkpoint, read from config.json.
+
+Two readers. A config.json that spells out every field the engine reads, with plain
+rotary embeddings, is read as JSON: transformers' typed config classes import
+torch.distributed.tensor and more, a second of every worker's (re)start. Anything
+else (a rope_scaling type, a field left to its class default) goes through
+transformers' AutoConfig, whose class defaults and rope normalisation are the truth.
+"""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
-
-from transformers import AutoConfig, PretrainedConfig
+from types import SimpleNamespace
+from typing import Any
 
 from engine.errors import ModelLoadError
 
@@ -33,7 +41,8 @@ class ModelSpec:
     qkv_bias: bool
     tie_word_embeddings: bool
     max_position_embeddings: int
-    hf_config: PretrainedConfig
+    hf_config: Any
+    """transformers' config object, or the plain JSON fields as attributes."""
 
     @property
     def context_window(self) -> int:
@@ -50,22 +59,59 @@ def load_model_spec(model_dir: str | Path, model_id: str | None = None) -> Model
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise ModelLoadError(f"{model_dir} has no config.json (expected a local HF model dir)")
-    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    config = plain_config(json.loads((model_dir / "config.json").read_text()))
+    if config is None:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     return spec_from_hf_config(config, model_id or model_dir.name)
 
 
-def spec_from_hf_config(config: PretrainedConfig, model_id: str) -> ModelSpec:
-    architectures = getattr(config, "architectures", None) or []
+_PLAIN_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_hidden_layers",
+    "vocab_size",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+)
+_WINDOW_FIELDS = {"mistral": ("sliding_window",), "qwen2": ("sliding_window", "use_sliding_window")}
+"""Fields whose class defaults would cap the context window when left out."""
+
+
+def plain_config(fields: dict) -> SimpleNamespace | None:
+    """config.json's fields as attributes, when they alone determine the spec and the
+    rotary tables; None when a transformers config class has to fill in or normalise."""
+    family = _family(fields.get("architectures") or [], fields.get("model_type"))
+    required = _PLAIN_FIELDS + _WINDOW_FIELDS.get(family or "", ())
+    if family is None or any(name not in fields for name in required):
+        return None
+    rope = fields.get("rope_parameters") or fields.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    has_theta = "rope_theta" in rope or "rope_theta" in fields
+    if rope_type != "default" or not has_theta or "partial_rotary_factor" in fields:
+        return None
+    return SimpleNamespace(**fields)
+
+
+def _family(architectures: list[str], model_type: str | None) -> str | None:
     family = next(
         (SUPPORTED_ARCHITECTURES[a] for a in architectures if a in SUPPORTED_ARCHITECTURES), None
     )
-    if family is None:
-        family = (
-            config.model_type if config.model_type in SUPPORTED_ARCHITECTURES.values() else None
-        )
+    if family is None and model_type in SUPPORTED_ARCHITECTURES.values():
+        family = model_type
+    return family
+
+
+def spec_from_hf_config(config: Any, model_id: str) -> ModelSpec:
+    architectures = getattr(config, "architectures", None) or []
+    family = _family(architectures, getattr(config, "model_type", None))
     if family is None:
         raise ModelLoadError(
-            f"unsupported architecture {architectures or config.model_type!r}; "
+            f"unsupported architecture {architectures or getattr(config, 'model_type', None)!r}; "
             f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
         )
     num_heads = config.num_attention_heads

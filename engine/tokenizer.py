@@ -5,7 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+_BACKEND_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast"}
+"""tokenizer_config.json classes that are a plain tokenizer.json: AutoTokenizer would
+build the same object, but only after importing the model's config class (a second of
+every worker's start)."""
 
 
 class Tokenizer:
@@ -13,7 +18,7 @@ class Tokenizer:
 
     def __init__(self, model_dir: str | Path):
         self.model_dir = Path(model_dir)
-        self.hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        self.hf = _load_hf_tokenizer(self.model_dir)
         self.eos_token_ids = frozenset(self._eos_ids())
 
     def _eos_ids(self) -> set[int]:
@@ -56,3 +61,12 @@ class Tokenizer:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=True)
+
+
+def _load_hf_tokenizer(model_dir: Path):
+    settings_file = model_dir / "tokenizer_config.json"
+    settings = json.loads(settings_file.read_text()) if settings_file.is_file() else {}
+    plain = settings.get("tokenizer_class") in _BACKEND_CLASSES
+    if plain and (model_dir / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(str(model_dir), local_files_only=True)
+    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
