@@ -82,12 +82,16 @@ class ClusterConfig(ModelSettings):
     lease_ttl_s: float = 30.0
     """Exported blocks are reclaimed this long after the last heartbeat without an ack."""
     max_restarts: int = 3
-    """Times the controller restarts one worker after it dies (0 disables restarts)."""
+    """Restarts of one worker in a crash loop (each generation dying within
+    `restart_budget_reset_s` of its start) before it stays dead; 0 disables restarts."""
     restart_backoff_s: float = 1.0
     """Wait before a second restart attempt; doubles with each failed attempt (the first
     attempt starts at once)."""
-    restart_budget_reset_s: float = 300.0
-    """A worker healthy this long after a restart gets its `max_restarts` budget back."""
+    restart_budget_reset_s: float = 20.0
+    """A worker healthy this long after a (re)start was not crash-looping: its
+    `max_restarts` budget comes back (at the next health call, or when it dies). Crash
+    loops die within seconds of a start; a worker killed after serving for a while is
+    restarted however often that happens."""
     standby_workers: int = 0
     """Warm spares per role: started and ready but not routed to; one takes a dead
     worker's place at once, and the dead one comes back as the new spare."""

@@ -15,8 +15,8 @@ Each names the actor generation it saw fail; a failure of an older generation th
 the worker's current one is stale and ignored. A dead worker stops being routed to
 at once; a standby spare of its role (`standby_workers`) takes its place at once, and
 the dead one is killed for good and started again (first attempt at once, then with
-exponential backoff, up to `max_restarts` times; the budget comes back after
-`restart_budget_reset_s` of health). A restarted worker is routed to again when its
+exponential backoff, up to `max_restarts` times in a crash loop; a generation that
+stayed healthy for `restart_budget_reset_s` was not in one and gives the budget back). A restarted worker is routed to again when its
 first health call succeeds, or becomes the role's spare if the role is at strength.
 """
 
@@ -179,15 +179,21 @@ class Controller:
         except Exception as exc:  # any failed health call means unhealthy
             self.mark_dead(worker, repr(exc), generation)
             return False
+        self._restore_budget_if_healthy(worker)
+        return True
+
+    def _restore_budget_if_healthy(self, worker: WorkerInfo) -> None:
+        """The restart budget guards against crash loops: a generation that stayed
+        healthy for `restart_budget_reset_s` was not one, so its death (a kill, a rare
+        fault) starts the count over; checked on every health call and at death."""
         healthy_for = time.monotonic() - worker.alive_since
-        if worker.recent_restarts and healthy_for > self.config.restart_budget_reset_s:
+        if worker.recent_restarts and healthy_for >= self.config.restart_budget_reset_s:
             logger.info(
                 "worker %s healthy for %.0f s: restart budget restored",
                 worker.worker_id,
                 healthy_for,
             )
             worker.recent_restarts = 0
-        return True
 
     def mark_dead(self, worker: WorkerInfo, why: str, generation: int | None = None) -> None:
         """Stop routing to `worker` at once, put a spare in its place, schedule its restart.
@@ -198,6 +204,7 @@ class Controller:
             return
         if worker.alive:
             logger.warning("worker %s marked dead: %s", worker.worker_id, why)
+            self._restore_budget_if_healthy(worker)
             worker.dead_since = time.monotonic()
             if not worker.standby:
                 self._promote_spare(worker.role)

@@ -81,3 +81,23 @@ def test_a_standby_takes_a_dead_workers_place_at_once():
         assert controller._at_strength("decode")
 
     asyncio.run(main())
+
+
+def test_only_a_crash_loop_uses_up_the_restart_budget():
+    """A generation that dies young counts; one that served healthy for
+    `restart_budget_reset_s` gives the budget back when it dies, probed or not."""
+
+    async def main():
+        worker = WorkerInfo("decode-0", "decode", handle=None, recent_restarts=3)
+        controller = controller_with(worker, restart_budget_reset_s=20.0)
+        worker.alive_since = time.monotonic() - 21
+        controller.mark_dead(worker, "killed after serving", generation=worker.generation)
+        assert worker.recent_restarts == 0
+        young = WorkerInfo("decode-1", "decode", handle=None, recent_restarts=2)
+        controller.workers[young.worker_id] = young
+        young.handle = FakeHandle(young.worker_id)
+        young.alive_since = time.monotonic() - 2
+        controller.mark_dead(young, "died right after its start", generation=young.generation)
+        assert young.recent_restarts == 2
+
+    asyncio.run(main())
