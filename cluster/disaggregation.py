@@ -75,7 +75,8 @@ class PathChoice:
     path: str
     """`remote` or `local`."""
     reason: str
-    """`always`, `never`, `unmeasured` (auto without a measured prefill yet), `cheaper`."""
+    """`always`, `never`, `unmeasured` (auto without a measured prefill yet), `cheaper`,
+    `recovery` (`always` comparing both paths for a request whose prefill worker died)."""
     remote_s: float | None = None
     local_s: float | None = None
     moved_blocks: int | None = None
@@ -173,18 +174,22 @@ class Disaggregation:
         self.block_size = block_size
         self.costs = PathCosts(configured_bandwidth=configured_bandwidth)
 
-    def choose(self, tokens: list[int], prefill, decode) -> PathChoice:
-        """`prefill`, `decode`: the picked workers' `WorkerInfo` (decode may be None)."""
+    def choose(self, tokens: list[int], prefill, decode, recovering: bool = False) -> PathChoice:
+        """`prefill`, `decode`: the picked workers' `WorkerInfo` (decode may be None).
+        `recovering`: the request's prefill worker died under it. Then `always` compares
+        the two paths as `auto` does: the survivors' queues just grew by the dead
+        worker's prompts, and its own decode worker may well be the sooner way out."""
         if self.mode == "never":
             return PathChoice("local", "never")
-        if self.mode == "always" or decode is None:
+        if (self.mode == "always" and not recovering) or decode is None:
             return PathChoice("remote", "always")
         inputs = self.inputs(tokens, prefill, decode)
         if inputs is None:
             return PathChoice("remote", "unmeasured")
         remote, local, moved = predict(inputs)
         path = "local" if local < remote else "remote"
-        choice = PathChoice(path, "cheaper", remote, local, moved, inputs.bandwidth)
+        reason = "recovery" if self.mode == "always" else "cheaper"
+        choice = PathChoice(path, reason, remote, local, moved, inputs.bandwidth)
         logger.debug("%d-token prompt: %s", len(tokens), choice)
         return choice
 

@@ -144,10 +144,12 @@ class RequestFlow:
             claim = req.claim(pick)
             self._pick_decode_peer(req)  # a retry picks both again
             _note_route(req, claim)
-            if self._prefill_on_decode(req, claim):
+            if self._prefill_on_decode(req, claim, recovering=retried):
                 claim.release()
                 hold = LocalPrefill(req.decode_pick.worker, len(req.prompt_ids))
                 req.local_prefill = req.claim(hold)
+                if retried:
+                    req.timeline.recovery_paths.append("decode_side_prefill")
                 return _PREFILL_ON_DECODE
             worker = claim.worker
             req.hold(worker)
@@ -183,9 +185,9 @@ class RequestFlow:
         else:
             _note_route(req, req.decode_pick)
 
-    def _prefill_on_decode(self, req: ClusterRequest, claim: Claim) -> bool:
+    def _prefill_on_decode(self, req: ClusterRequest, claim: Claim, recovering: bool) -> bool:
         decode = req.decode_pick.worker if req.decode_pick is not None else None
-        choice = self.disaggregation.choose(req.prompt_ids, claim.worker, decode)
+        choice = self.disaggregation.choose(req.prompt_ids, claim.worker, decode, recovering)
         req.timeline.disaggregation = choice.as_dict()
         return choice.path == "local"
 

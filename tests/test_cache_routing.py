@@ -281,3 +281,17 @@ def _transferred(num_bytes: int, seconds: float):
         decode_worker="decode-0",
         ttft_parts=dict,
     )
+
+
+def test_always_compares_both_paths_for_a_request_whose_prefill_worker_died():
+    """Recovery: the survivor's queue just took the dead worker's prompts, so a prompt
+    retried under `always` goes to its decode worker when that is sooner."""
+    prefill, decode = pair()
+    prefill.claimed_tokens = 4000
+    d = Disaggregation("always", Router("cache_aware", {}).views, 512, BLOCK)
+    prompt = tokens(1024, salt=2)
+    assert d.choose(prompt, prefill, decode).path == "remote"
+    choice = d.choose(prompt, prefill, decode, recovering=True)
+    assert (choice.path, choice.reason) == ("local", "recovery")
+    prefill.claimed_tokens = 0
+    assert d.choose(prompt, prefill, decode, recovering=True).path == "remote"
