@@ -95,6 +95,10 @@ class ClusterConfig(ModelSettings):
     standby_workers: int = 0
     """Warm spares per role: started and ready but not routed to; one takes a dead
     worker's place at once, and the dead one comes back as the new spare."""
+    standby_restart_delay_s: float = 5.0
+    """When a spare took a dead worker's place, its restart (which only rebuilds the
+    spare) starts this much later: a worker's start keeps a core busy for seconds,
+    which on a small node is taken from the requests recovering on the survivors."""
     recovery_timeout_s: float = 30.0
     """How long a request waits for a live worker of a role before failing with 503."""
     cluster_token: str | None = None
@@ -114,8 +118,14 @@ class ClusterConfig(ModelSettings):
             raise ConfigError("threads_per_worker must be >= 1")
         if self.gpus_per_worker < 0:
             raise ConfigError("gpus_per_worker must be >= 0")
-        if self.max_restarts < 0 or self.restart_backoff_s < 0 or self.standby_workers < 0:
-            raise ConfigError("max_restarts, restart_backoff_s and standby_workers must be >= 0")
+        restarts = (
+            "max_restarts",
+            "restart_backoff_s",
+            "standby_workers",
+            "standby_restart_delay_s",
+        )
+        if any(getattr(self, name) < 0 for name in restarts):
+            raise ConfigError(f"{', '.join(restarts)} must be >= 0")
         for name in (
             "health_interval_s",
             "health_timeout_s",

@@ -14,8 +14,8 @@ Watching, three ways, whichever notices first:
 Each names the actor generation it saw fail; a failure of an older generation than
 the worker's current one is stale and ignored. A dead worker stops being routed to
 at once; a standby spare of its role (`standby_workers`) takes its place at once, and
-the dead one is killed for good and started again (first attempt at once, then with
-exponential backoff, up to `max_restarts` times in a crash loop; a generation that
+the dead one is killed for good and started again (first attempt at once, or after
+`standby_restart_delay_s` when a spare took its place; then with exponential backoff, up to `max_restarts` times in a crash loop; a generation that
 stayed healthy for `restart_budget_reset_s` was not in one and gives the budget back). A restarted worker is routed to again when its
 first health call succeeds, or becomes the role's spare if the role is at strength.
 """
@@ -212,7 +212,10 @@ class Controller:
         worker.standby = False
         pending = self.restart_tasks.get(worker.worker_id)
         if (pending is None or pending.done()) and worker.worker_id in self.workers:
-            task = asyncio.get_running_loop().create_task(self._restart(worker))
+            # With a spare in its place the restart only rebuilds the spare, and its
+            # imports take a core for seconds: on a small node, from the recovery.
+            delay = self.config.standby_restart_delay_s if self._at_strength(worker.role) else 0
+            task = asyncio.get_running_loop().create_task(self._restart(worker, delay))
             self.restart_tasks[worker.worker_id] = task
 
     def _promote_spare(self, role: str) -> None:
@@ -223,7 +226,8 @@ class Controller:
             spare.standby = False
             logger.info("standby %s takes over for a dead %s worker", spare.worker_id, role)
 
-    async def _restart(self, worker: WorkerInfo) -> None:
+    async def _restart(self, worker: WorkerInfo, delay_s: float = 0.0) -> None:
+        await asyncio.sleep(delay_s)
         backoff = 0.0
         while worker.recent_restarts < self.config.max_restarts:
             await asyncio.sleep(backoff)

@@ -36,8 +36,8 @@ def controller_with(*workers: WorkerInfo, **config) -> Controller:
     return controller
 
 
-async def _no_restart(worker: WorkerInfo) -> None:
-    return None
+async def _no_restart(worker: WorkerInfo, delay_s: float = 0.0) -> None:
+    worker.restart_delay_s = delay_s
 
 
 def test_a_stale_failure_of_an_old_generation_does_not_kill_its_replacement():
@@ -48,6 +48,8 @@ def test_a_stale_failure_of_an_old_generation_does_not_kill_its_replacement():
         assert worker.alive and not controller.restart_tasks
         controller.mark_dead(worker, "this actor died", generation=2)
         assert not worker.alive and "decode-0" in controller.restart_tasks
+        await controller.restart_tasks["decode-0"]
+        assert worker.restart_delay_s == 0  # no spare in its place: restarted at once
 
     asyncio.run(main())
 
@@ -75,6 +77,8 @@ def test_a_standby_takes_a_dead_workers_place_at_once():
         assert router.pick("decode").worker is active
         controller.mark_dead(active, "killed", generation=active.generation)
         assert not spare.standby
+        await controller.restart_tasks["decode-0"]
+        assert active.restart_delay_s == controller.config.standby_restart_delay_s
         claim = router.pick("decode")
         assert claim.worker is spare
         claim.release()
