@@ -30,12 +30,12 @@ from engine.engine_loop import EngineLoop
 from engine.errors import RequestAbortedError
 from engine.llm_engine import LLMEngine
 from engine.sequence import SequenceOutput
+from engine.worker_actor import EngineActor
 from engine.worker_health import (
     StartupTimer,
     engine_state,
     health_report,
     node_ip,
-    step_trace,
 )
 from engine.worker_messages import (
     DecodeRequest,
@@ -54,7 +54,7 @@ _LEASE_LOST = "unknown_request"
 """`FailureReason` value of an import whose export vanished while it waited for blocks."""
 
 
-class DecodeWorker:
+class DecodeWorker(EngineActor):
     """Instantiated as a named Ray actor by the controller; also the colocated worker."""
 
     def __init__(self, spec: WorkerSpec):
@@ -81,16 +81,11 @@ class DecodeWorker:
         """Tickets of imports still waiting for blocks, read by the engine thread."""
         self.last_transfer: dict[str, str] = {}
         """Prefill worker -> how its last request's KV got here (transport or recomputed)."""
-        self.loop: EngineLoop | None = None
-        self.stopped: asyncio.Event | None = None
 
-    def _engine_loop(self) -> EngineLoop:
-        # Created lazily inside the actor's event loop (the constructor runs outside it).
-        if self.loop is None:
-            self.loop = EngineLoop(
-                self.engine, on_iteration=self._start_imports, on_abort=self._cancel_fetch
-            )
-        return self.loop
+    def _make_loop(self) -> EngineLoop:
+        return EngineLoop(
+            self.engine, on_iteration=self._start_imports, on_abort=self._cancel_fetch
+        )
 
     # --- the stream ---------------------------------------------------------------------
 
@@ -244,11 +239,6 @@ class DecodeWorker:
 
     # --- control ------------------------------------------------------------------------
 
-    async def abort(self, request_id: str) -> None:
-        """Called when the request's owner closes it: stop decoding or importing, free
-        the blocks (an import's once its transfer stops writing)."""
-        await self._engine_loop().abort(request_id)
-
     async def check_health(self) -> HealthReport:
         """Called by the controller's watchdog; raises (or times out) when unhealthy."""
         transfer = self.receiver.stats() if self.receiver is not None else None
@@ -266,21 +256,8 @@ class DecodeWorker:
         """Leak checks in tests and drills: blocks in use and each request's state."""
         return await self._engine_loop().call(engine_state)
 
-    async def steps(self, last: int = 512) -> list[dict]:
-        """The engine's last `last` steps (`/admin/steps`, the scheduling write-ups)."""
-        return await self._engine_loop().call(lambda e: step_trace(e, last))
-
-    async def wait_until_stopped(self) -> None:
-        """The controller's death watch: returns only at shutdown, so a failure of this
-        call means the actor died (Ray reports that within milliseconds)."""
-        self.stopped = self.stopped or asyncio.Event()
-        await self.stopped.wait()
-
     async def shutdown(self) -> None:
-        if self.stopped is not None:
-            self.stopped.set()
-        if self.loop is not None:
-            self.loop.stop()
+        self._stop_engine()
         self.fetch_pool.shutdown(wait=False, cancel_futures=True)
         if self.receiver is not None:
             self.receiver.close()

@@ -17,7 +17,6 @@ Lifecycle of a request here:
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass
 
@@ -26,12 +25,12 @@ from engine.engine_loop import EngineLoop
 from engine.errors import RequestAbortedError
 from engine.llm_engine import LLMEngine
 from engine.sequence import SequenceOutput
+from engine.worker_actor import EngineActor
 from engine.worker_health import (
     StartupTimer,
     engine_state,
     health_report,
     node_ip,
-    step_trace,
 )
 from engine.worker_messages import ErrorEvent, HealthReport, PrefillRequest, PrefillResult
 from engine.worker_spec import WorkerSpec
@@ -51,7 +50,7 @@ class _Exported:
     exported_at: float
 
 
-class PrefillWorker:
+class PrefillWorker(EngineActor):
     """Instantiated as a named Ray actor by the controller (one per prefill slot)."""
 
     def __init__(self, spec: WorkerSpec):
@@ -72,19 +71,14 @@ class PrefillWorker:
         self.startup = timer.durations
         self.peers: dict[str, str] = {}
         """Request -> the decode worker its export is meant for, until it is exported."""
-        self.loop: EngineLoop | None = None
-        self.stopped: asyncio.Event | None = None
 
-    def _engine_loop(self) -> EngineLoop:
-        # Created lazily inside the actor's event loop (the constructor runs outside it).
-        if self.loop is None:
-            self.loop = EngineLoop(
-                self.engine,
-                on_iteration=self._free_released,
-                on_abort=self._release_export,
-                on_outputs=self._export_prefilled,
-            )
-        return self.loop
+    def _make_loop(self) -> EngineLoop:
+        return EngineLoop(
+            self.engine,
+            on_iteration=self._free_released,
+            on_abort=self._release_export,
+            on_outputs=self._export_prefilled,
+        )
 
     def _free_released(self, engine: LLMEngine) -> None:
         for block_ids in self.sender.poll_released():
@@ -172,11 +166,6 @@ class PrefillWorker:
         """Called after the decode worker imported the KV: the blocks can go back."""
         self.sender.ack(request_id)
 
-    async def abort(self, request_id: str) -> None:
-        """Called when the request's owner closes it (client gone, error, decode failed):
-        whatever this worker holds for it, queued, prefilling or exported, is released."""
-        await self._engine_loop().abort(request_id)
-
     async def check_health(self) -> HealthReport:
         """Called by the controller's watchdog; raises (or times out) when unhealthy."""
         return health_report(
@@ -198,19 +187,6 @@ class PrefillWorker:
     async def endpoint(self) -> dict:
         return self.sender.endpoint()
 
-    async def steps(self, last: int = 512) -> list[dict]:
-        """The engine's last `last` steps (`/admin/steps`, the scheduling write-ups)."""
-        return await self._engine_loop().call(lambda e: step_trace(e, last))
-
-    async def wait_until_stopped(self) -> None:
-        """The controller's death watch: returns only at shutdown, so a failure of this
-        call means the actor died (Ray reports that within milliseconds)."""
-        self.stopped = self.stopped or asyncio.Event()
-        await self.stopped.wait()
-
     async def shutdown(self) -> None:
-        if self.stopped is not None:
-            self.stopped.set()
-        if self.loop is not None:
-            self.loop.stop()
+        self._stop_engine()
         self.sender.close()

@@ -1,0 +1,53 @@
+"""What the prefill and the decode actor share: the engine loop they run their engine
+on, and the calls the cluster makes on any worker (abort, step traces, the death
+watch, the start of shutdown). Each worker adds its role's calls and its transport.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from engine.engine_loop import EngineLoop
+from engine.llm_engine import LLMEngine
+from engine.worker_health import step_trace
+
+
+class EngineActor:
+    """Base of `PrefillWorker` and `DecodeWorker` (both Ray actors). A subclass sets
+    `engine` in its constructor and may override `_make_loop` to hook the loop."""
+
+    engine: LLMEngine
+    loop: EngineLoop | None = None
+    stopped: asyncio.Event | None = None
+
+    def _make_loop(self) -> EngineLoop:
+        return EngineLoop(self.engine)
+
+    def _engine_loop(self) -> EngineLoop:
+        # Created lazily inside the actor's event loop (the constructor runs outside it).
+        if self.loop is None:
+            self.loop = self._make_loop()
+        return self.loop
+
+    async def abort(self, request_id: str) -> None:
+        """Called when the request's owner closes it (client gone, error, a failed
+        phase): whatever this worker holds for it, queued, running, being imported or
+        exported, is released (an import's blocks once its transfer stops writing)."""
+        await self._engine_loop().abort(request_id)
+
+    async def steps(self, last: int = 512) -> list[dict]:
+        """The engine's last `last` steps (`/admin/steps`, the scheduling write-ups)."""
+        return await self._engine_loop().call(lambda e: step_trace(e, last))
+
+    async def wait_until_stopped(self) -> None:
+        """The controller's death watch: returns only at shutdown, so a failure of this
+        call means the actor died (Ray reports that within milliseconds)."""
+        self.stopped = self.stopped or asyncio.Event()
+        await self.stopped.wait()
+
+    def _stop_engine(self) -> None:
+        """First half of `shutdown`: release the death watch, stop the engine thread."""
+        if self.stopped is not None:
+            self.stopped.set()
+        if self.loop is not None:
+            self.loop.stop()
