@@ -32,6 +32,7 @@ from bench.loadgen import LoadSpec, get_json, run_load, served_model_id
 
 _SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM}
 _POLL_S = 0.05
+_SOAK_SEED = 12
 _HIT_WAIT_S = 5.0
 """How long a kill waits for a worker of its role to hold a request before it misses."""
 
@@ -100,7 +101,7 @@ async def run_drill(args) -> DrillReport:
         )
     await _settle(kills, watchers, args.recovery_timeout)
     blocks, leases = await _leaks(admin, timeout_s=args.recovery_timeout)
-    report = verdict(records, reference, kills, blocks, leases)
+    report = verdict(records, reference, kills, blocks, leases, open_loop=bool(args.duration))
     report.kills_planned = len(kill_times(args))
     report.soak = soak_summary
     return report
@@ -124,8 +125,12 @@ def kill_times(args) -> list[float]:
     if args.duration:
         duration = parse_duration(args.duration)
         every = args.every
+        # Jittered by up to a quarter period each way (seeded: a soak can be rerun):
+        # kills on an exact grid lock onto the load's own period (a fixed --rate puts an
+        # arrival on every multiple of 2 s), always catching the same phase of a request.
+        jitter = random.Random(_SOAK_SEED)
         return [
-            k * every
+            k * every + jitter.uniform(-every / 4, every / 4)
             for k in range(1, int(duration / every) + 1)
             if k * every < duration - every / 2
         ]

@@ -11,6 +11,7 @@ be left on any worker.
 from __future__ import annotations
 
 import bisect
+import statistics
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -92,13 +93,22 @@ def verdict(
     kills: list[KillEvent],
     blocks: dict[str, int],
     leases: dict[str, int],
+    open_loop: bool = False,
 ) -> DrillReport:
+    """`open_loop`: a soak, whose load (a fixed rate) is not the reference pass's (all
+    prompts at the concurrency cap): affected requests are then timed against the same
+    prompt's unaffected requests of the soak itself."""
     done = [r for r in records if r.ok]
     affected = [r for r in done if r.server_timings.get("recoveries")]
     # Extra latency: each affected request against the same prompt's uninterrupted run
-    # at the same concurrency (the reference pass), not against other prompts.
+    # under the same load, not against other prompts.
     key = _prompt_key
-    extra = [r.e2e_s - reference[key(r)].e2e_s for r in affected if key(r) in reference]
+    if open_loop:
+        touched = {id(r) for r in affected}
+        baseline = _median_e2e_by_prompt([r for r in done if id(r) not in touched])
+    else:
+        baseline = {prompt: ref.e2e_s for prompt, ref in reference.items()}
+    extra = [r.e2e_s - baseline[key(r)] for r in affected if key(r) in baseline]
     expected = {prompt: ref.text for prompt, ref in reference.items()}
     wrong = [r for r in done if r.text != expected.get(key(r))]
     gaps = resume_gaps(affected, [k.killed_at for k in kills if k.hit])
@@ -138,6 +148,13 @@ def _worst(values) -> float | None:
     if not values or any(v is None for v in values):
         return None
     return max(values)
+
+
+def _median_e2e_by_prompt(records: list[RequestRecord]) -> dict:
+    by_prompt: dict = {}
+    for record in records:
+        by_prompt.setdefault(_prompt_key(record), []).append(record.e2e_s)
+    return {prompt: statistics.median(times) for prompt, times in by_prompt.items()}
 
 
 def resume_gaps(records: list[RequestRecord], kill_times: list[float]) -> list[float]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -107,6 +108,34 @@ def test_a_short_soak_with_four_kills_loses_nothing(tiny_llama_dir, tmp_path):
     assert report["failed"] == report["duplicated_text"] == report["missing_text"] == 0
     assert report["requests"] == report["exact"] > 400
     soak = report["soak"]
-    assert soak["throughput_back"] and soak["rss_flat"], soak
+    assert soak["throughput_back"] and soak["rss_flat"] and soak["rss_judged"] >= 1, soak
     assert plot_path.stat().st_size > 10_000
     assert not leftovers
+
+
+def test_soak_kills_are_jittered_off_the_load_period():
+    """A kill every 30 s on an exact grid caught every request of a 0.5 req/s load in
+    the same phase (its prefill) 59 times out of 59; jittered, the phases spread."""
+    from bench.drill import kill_times
+
+    args = argparse.Namespace(duration="30m", every=30.0, at=None, count=1)
+    times = kill_times(args)
+    assert times == kill_times(args)  # seeded: a soak can be rerun as it was
+    assert len(times) == 59
+    assert all(abs(t - 30 * (k + 1)) <= 7.5 for k, t in enumerate(times))
+    assert len({round(t % 2.0, 1) for t in times}) > 8
+
+
+def test_rss_is_judged_after_the_warm_up():
+    """A pool filled in on first touch grows RSS early, then stays: flat. Growth that
+    goes on after the warm-up is a leak. Short-lived processes are not judged."""
+    from bench.soak import _rss_growth
+
+    mib = 1 << 20
+    warming = [(t, (1000 + min(t, 60) * 10) * mib) for t in range(0, 600, 2)]
+    leaking = [(t, (1000 + t) * mib) for t in range(0, 600, 2)]
+    short = [(t, (1000 + 10 * t) * mib) for t in range(0, 100, 2)]
+    flat = _rss_growth({1: warming, 3: short}, warmup_s=120)
+    assert flat["rss_flat"] and flat["rss_judged"] == 1 and flat["rss_warmup_growth_mib"] == 600
+    leak = _rss_growth({2: leaking}, warmup_s=120)
+    assert not leak["rss_flat"] and leak["rss_worst_growth_mib"] == 478
