@@ -278,7 +278,10 @@ def add_drill_parser(sub) -> None:
     parser.add_argument(
         "--duration",
         default=None,
-        help="soak for this long (e.g. 90s, 30m): steady load, kills --every S",
+        help="soak for this long (e.g. 90s, 30m): steady load at --rate, a kill every "
+        "--every S (each jittered by up to a quarter of it, seeded, so kills do not lock "
+        "onto the load's own period); adds throughput recovery after each kill and RSS "
+        "growth after a warm-up to the verdict, and a plot (--plot)",
     )
     parser.add_argument(
         "--rate",

@@ -213,7 +213,7 @@ def format_report(report: DrillReport) -> str:
         f"{'leaked leases':<36}{({w: n for w, n in report.leaked_leases.items() if n}) or 0}"
     )
     for name, value in report.soak.items():
-        if name != "passed":
+        if name not in ("passed", "rss_samples_mib"):  # the samples go to --json only
             lines.append(f"{'soak ' + name:<36}{value}")
     lines.append("PASS" if report.passed else "FAIL")
     return "\n".join(lines)

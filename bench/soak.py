@@ -3,8 +3,9 @@ the checks a long run needs beyond "nothing lost".
 
 A soak's life: an open-loop load at `--rate` requests/s (capped at `--concurrency` in
 flight) cycles through the drill's prompts for D seconds while the kill schedule
-strikes; every 2 s the resident memory of the frontend and of every worker process is
-sampled. At the end (besides the drill's own verdict):
+strikes; every 2 s the resident memory of the frontend and of every routed worker
+process (a spare from its promotion on) is sampled (every fifth sample goes into the
+JSON report). At the end (besides the drill's own verdict):
   * throughput: output tokens per window; the level before the first kill is the
     baseline, and after each kill a window must reach 80% of it before the next kill;
   * memory: no process's RSS may grow by more than max(64 MiB, 10%) from the end of its
@@ -98,7 +99,9 @@ async def _sample_rss(admin, rss: dict, start: float) -> None:
 
     while True:
         body = await admin.get("/admin/workers")
-        pids = [w["pid"] for w in body["workers"] if w.get("alive") and w.get("pid")]
+        # A spare is judged from its promotion on: its first requests are its warm-up.
+        routed = [w for w in body["workers"] if w.get("alive") and not w.get("standby")]
+        pids = [w.get("pid") for w in routed]
         pids.append(body.get("frontend_pid"))
         for pid in filter(None, pids):
             # A process that just died, or lives on another node, is skipped.
@@ -154,6 +157,10 @@ def _rss_growth(rss: dict[int, list[tuple[float, int]]], warmup_s: float) -> dic
     return {
         "rss_processes": len(rss),
         "rss_judged": judged,
+        "rss_samples_mib": {
+            str(pid): [[round(t, 1), round(size / (1 << 20), 1)] for t, size in samples[::5]]
+            for pid, samples in rss.items()
+        },
         "rss_warmup_growth_mib": round(warmup_worst / (1 << 20), 1),
         "rss_worst_growth_mib": round(worst / (1 << 20), 1),
         "rss_worst_pid": worst_pid,
