@@ -186,10 +186,16 @@ def _plot(path: str, records, throughput, window: float, kills, start: float) ->
     bottom.scatter([r.start - start for r in failed], [0] * len(failed), s=12, c="red", marker="x")
     bottom.set_ylabel("TTFT (s)")
     bottom.set_xlabel("seconds into the soak")
+    colors = {"prefill": "tab:red", "decode": "tab:purple"}
     for kill in kills:
+        color = colors.get(kill.role, "tab:red") if kill.hit else "grey"
         for axis in (top, bottom):
-            axis.axvline(kill.at_s, color="red" if kill.hit else "grey", linestyle="--", lw=0.8)
-        top.annotate(kill.role, (kill.at_s, max(throughput or [1])), fontsize=7, rotation=90)
+            axis.axvline(kill.at_s, color=color, linestyle="--", lw=0.8)
+    # A legend, not a label per line: a 30-minute soak has ~60 kills.
+    for role, color in colors.items():
+        top.plot([], [], color=color, linestyle="--", lw=0.8, label=f"{role} worker killed")
+    top.plot([], [], color="grey", linestyle="--", lw=0.8, label="kill missed")
+    top.legend(loc="lower left", fontsize=7, ncol=3)
     top.set_title("pdserve soak: throughput and TTFT, kills marked")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
