@@ -11,10 +11,10 @@ JSON report). At the end (besides the drill's own verdict):
   * memory: no process's RSS may grow by more than max(64 MiB, 10%) from the end of its
     warm-up (`_RSS_WARMUP_S`, a quarter of shorter soaks) to its last sample (workers
     restart, so each process is judged on its own life, if sampled for twice the
-    warm-up). The warm-up
-    is where RSS rightly grows: the KV pool is memory the kernel fills in on first
-    touch, and the prefix cache parks freed blocks so new ones keep coming from
-    untouched pages until the pool is used once over; a leak keeps growing after it;
+    warm-up). The warm-up is where RSS rightly grows: the KV pool is memory the kernel
+    fills in on first touch, and the prefix cache parks freed blocks so new ones keep
+    coming from untouched pages until the pool is used once over; a leak keeps growing
+    after it;
   * a PNG of throughput and TTFT over time with every kill marked.
 """
 

@@ -14,10 +14,12 @@ Watching, three ways, whichever notices first:
 Each names the actor generation it saw fail; a failure of an older generation than
 the worker's current one is stale and ignored. A dead worker stops being routed to
 at once; a standby spare of its role (`standby_workers`) takes its place at once, and
-the dead one is killed for good and started again (first attempt at once, or after
-`standby_restart_delay_s` when a spare took its place; then with exponential backoff, up to `max_restarts` times in a crash loop; a generation that
-stayed healthy for `restart_budget_reset_s` was not in one and gives the budget back). A restarted worker is routed to again when its
-first health call succeeds, or becomes the role's spare if the role is at strength.
+the dead one is killed for good and started again: the first attempt at once, or
+after `standby_restart_delay_s` when a spare took its place, then with exponential
+backoff, up to `max_restarts` times in a crash loop (a generation that stayed healthy
+for `restart_budget_reset_s` was not in one and gives the budget back). A restarted
+worker is routed to again when its first health call succeeds, or becomes the role's
+spare if the role is at strength.
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ def _zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     touch: `torch.zeros` writes every page of a multi-GiB pool up front, most of a
     second of each worker's (re)start, for blocks that may never be used."""
     numel = math.prod(shape)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     pages = mmap.mmap(-1, max(nbytes, 1))
     return torch.frombuffer(pages, dtype=dtype, count=numel).view(shape)
 

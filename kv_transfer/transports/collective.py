@@ -95,16 +95,19 @@ class CollectiveServer:
         self.control = ControlServer(
             self.options.bind_host, self.options.token, self._serve_pair, "kv-collective"
         )
+        self.piece_bytes = self._shaper().piece_bytes(self.options.chunk_bytes)
+        """Fixed by the options; in the endpoint, so receivers post receives with a fetch."""
+
+    def _shaper(self) -> Shaper:
+        return Shaper(self.options.bandwidth_bytes_per_s, self.options.added_latency_s)
 
     def endpoint(self) -> dict:
         host = self.options.dial_host
-        shaper = Shaper(self.options.bandwidth_bytes_per_s, self.options.added_latency_s)
         return {
             "collective": {
                 "control": [host, self.control.port],
                 "store": [host, self.store.port],
-                # The receiver posts its receives with the fetch, not after the reply.
-                "piece_bytes": shaper.piece_bytes(self.options.chunk_bytes),
+                "piece_bytes": self.piece_bytes,
             }
         }
 
@@ -141,8 +144,7 @@ class CollectiveServer:
         if record is None:
             send_message(conn, {"ok": False, "reason": "unknown_request"})
             return
-        shaper = Shaper(self.options.bandwidth_bytes_per_s, self.options.added_latency_s)
-        piece_bytes = shaper.piece_bytes(self.options.chunk_bytes)
+        shaper, piece_bytes = self._shaper(), self.piece_bytes
         block_nbytes = self.sender.pool.layout.block_nbytes
         dst = list(request["dst_block_ids"])
         src = requested_blocks(record.block_ids, len(dst))
@@ -284,20 +286,16 @@ class CollectiveReceiver(TransportReceiver):
         self, pair: _Pair, ticket, dst_block_ids: list[int], deadline: float, verifier
     ) -> None:
         request = {"op": "fetch", "request_id": ticket.request_id, "dst_block_ids": dst_block_ids}
-        advertised = ticket.sender_endpoint["collective"].get("piece_bytes")
+        piece_bytes = ticket.sender_endpoint["collective"]["piece_bytes"]
         try:
-            if advertised is None:  # a sender that does not advertise its piece size
-                reply = pair.conn.call(request, remaining(deadline, ticket))
-                works, pieces = self._post(pair, ticket, dst_block_ids, reply)
-            else:
-                # Receives posted with the fetch: the first piece flies without waiting
-                # for the reply's round trip (a third of a 1 MiB transfer here).
-                pair.conn.send(request)
-                works, pieces = self._post(pair, ticket, dst_block_ids, {"piece_bytes": advertised})
-                reply = pair.conn.recv(remaining(deadline, ticket))
+            # Receives posted with the fetch: the first piece flies without waiting for
+            # the reply's round trip (a third of a 1 MiB transfer here).
+            pair.conn.send(request)
+            works, pieces = self._post(pair, ticket, dst_block_ids, piece_bytes)
+            reply = pair.conn.recv(remaining(deadline, ticket))
             if not reply.get("ok"):
                 raise fail(ticket, FailureReason(reply.get("reason", "internal")), str(reply))
-            if advertised is not None and reply.get("piece_bytes") != advertised:
+            if reply.get("piece_bytes") != piece_bytes:
                 raise fail(ticket, FailureReason.INTERNAL, f"piece size changed: {reply}")
             for piece, work in zip(pieces, works, strict=True):
                 work.wait(timedelta(seconds=remaining(deadline, ticket)))
@@ -311,12 +309,10 @@ class CollectiveReceiver(TransportReceiver):
         if not done.get("done"):
             raise fail(ticket, FailureReason.INTERNAL, f"unexpected reply {done}")
 
-    def _post(self, pair: _Pair, ticket, dst_block_ids: list[int], reply: dict):
+    def _post(self, pair: _Pair, ticket, dst_block_ids: list[int], piece_bytes: int):
         """Post one receive per piece straight into the destination blocks."""
-        if not reply.get("ok", True):
-            return [], []
         block_nbytes = self.pool.layout.block_nbytes
-        pieces = plan_pieces(ticket.block_ids, dst_block_ids, block_nbytes, reply["piece_bytes"])
+        pieces = plan_pieces(ticket.block_ids, dst_block_ids, block_nbytes, piece_bytes)
         flat = flat_bytes(self.pool.kv)
         pair.receiving = True
         works = [pair.group.recv([flat[p.dst : p.dst + p.nbytes]], SENDER_RANK, 0) for p in pieces]
