@@ -5,23 +5,24 @@ A soak's life: an open-loop load at `--rate` requests/s (capped at `--concurrenc
 flight) cycles through the drill's prompts for D seconds while the kill schedule
 strikes; every 2 s the resident memory of the frontend and of every routed worker
 process (a spare from its promotion on) is sampled (every fifth sample goes into the
-JSON report). At the end (besides the drill's own verdict):
+JSON report). A process's RSS is judged without its shared memory (`RssShmem`): that is
+the KV pool (a shared mapping, in /dev/shm when the shm transport exports from it) and
+Ray's object store, both sized at start; the kernel fills them in on first touch, and
+with prefix caching new blocks keep coming from untouched pages until the pool has been
+used once over, which at a soak's rate takes longer than the soak. A leak shows in the
+private part (`RssAnon + RssFile`). At the end (besides the drill's own verdict):
   * throughput: output tokens per window; the level before the first kill is the
     baseline, and after each kill a window must reach 80% of it before the next kill;
-  * memory: no process's RSS may grow by more than max(64 MiB, 10%) from the end of its
-    warm-up (`_RSS_WARMUP_S`, a quarter of shorter soaks) to its last sample (workers
-    restart, so each process is judged on its own life, if sampled for twice the
-    warm-up). The warm-up is where RSS rightly grows: the KV pool is memory the kernel
-    fills in on first touch, and the prefix cache parks freed blocks so new ones keep
-    coming from untouched pages until the pool is used once over; a leak keeps growing
-    after it;
+  * memory: no process's private RSS may grow by more than max(64 MiB, 10%) from the
+    end of its warm-up (`_RSS_WARMUP_S`, a quarter of shorter soaks) to its last sample
+    (workers restart, so each process is judged on its own life, if sampled for twice
+    the warm-up); the shared part is reported beside it;
   * a PNG of throughput and TTFT over time with every kill marked.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import statistics
 import time
 
@@ -42,7 +43,7 @@ async def run_soak(admin, spec: LoadSpec, args, kills, watchers):
     duration = parse_duration(args.duration)
     rate = args.rate or _default_rate(args)
     start = time.perf_counter()
-    rss: dict[int, list[tuple[float, int]]] = {}
+    rss: dict[int, list[tuple[float, int, int]]] = {}
     killer = asyncio.create_task(
         kill_schedule(admin, args, kill_times(args), start, kills, watchers)
     )
@@ -95,8 +96,6 @@ async def _open_loop(spec: LoadSpec, rate: float, duration: float, start: float)
 
 
 async def _sample_rss(admin, rss: dict, start: float) -> None:
-    import psutil
-
     while True:
         body = await admin.get("/admin/workers")
         # A spare is judged from its promotion on: its first requests are its warm-up.
@@ -105,10 +104,27 @@ async def _sample_rss(admin, rss: dict, start: float) -> None:
         pids.append(body.get("frontend_pid"))
         for pid in filter(None, pids):
             # A process that just died, or lives on another node, is skipped.
-            with contextlib.suppress(psutil.Error):
-                sample = psutil.Process(pid).memory_info().rss
-                rss.setdefault(pid, []).append((time.perf_counter() - start, sample))
+            if (sample := resident_memory(pid)) is not None:
+                rss.setdefault(pid, []).append((time.perf_counter() - start, *sample))
         await asyncio.sleep(_RSS_EVERY_S)
+
+
+def resident_memory(pid: int) -> tuple[int, int] | None:
+    """(private, shared) resident bytes of a process: `RssAnon + RssFile` and
+    `RssShmem` from /proc/<pid>/status; off Linux, psutil's RSS as private."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            fields = dict(line.split(":", 1) for line in status if line.startswith("Rss"))
+        kib = {name: int(value.split()[0]) << 10 for name, value in fields.items()}
+        return kib["RssAnon"] + kib["RssFile"], kib["RssShmem"]
+    except (OSError, KeyError, ValueError):
+        pass
+    import psutil
+
+    try:
+        return psutil.Process(pid).memory_info().rss, 0
+    except psutil.Error:
+        return None
 
 
 def _windows(records, start: float, window: float, duration: float) -> list[float]:
@@ -139,7 +155,8 @@ def _throughput_back(throughput: list[float], window: float, kills, every: float
     }
 
 
-def _rss_growth(rss: dict[int, list[tuple[float, int]]], warmup_s: float) -> dict:
+def _rss_growth(rss: dict[int, list[tuple[float, int, int]]], warmup_s: float) -> dict:
+    """Judge each process's private RSS from the end of its warm-up to its last sample."""
     worst, worst_pid, warmup_worst, judged = 0, None, 0, 0
     flat = True
     for pid, samples in rss.items():
@@ -147,23 +164,30 @@ def _rss_growth(rss: dict[int, list[tuple[float, int]]], warmup_s: float) -> dic
         if died - born < 2 * warmup_s:
             continue
         judged += 1
-        warm = next(size for t, size in samples if t >= born + warmup_s)
+        warm = next(private for t, private, _ in samples if t >= born + warmup_s)
         warmup_worst = max(warmup_worst, warm - samples[0][1])
         growth = samples[-1][1] - warm
         if growth > max(_RSS_SLACK[0], _RSS_SLACK[1] * warm):
             flat = False
         if growth > worst:
             worst, worst_pid = growth, pid
+    mib = 1 << 20
     return {
         "rss_processes": len(rss),
         "rss_judged": judged,
         "rss_samples_mib": {
-            str(pid): [[round(t, 1), round(size / (1 << 20), 1)] for t, size in samples[::5]]
+            str(pid): [
+                [round(t, 1), round(private / mib, 1), round(shared / mib, 1)]
+                for t, private, shared in samples[::5]
+            ]
             for pid, samples in rss.items()
         },
-        "rss_warmup_growth_mib": round(warmup_worst / (1 << 20), 1),
-        "rss_worst_growth_mib": round(worst / (1 << 20), 1),
+        "rss_warmup_growth_mib": round(warmup_worst / mib, 1),
+        "rss_worst_growth_mib": round(worst / mib, 1),
         "rss_worst_pid": worst_pid,
+        "rss_shared_growth_mib": round(
+            max((s[-1][2] - s[0][2] for s in rss.values()), default=0) / mib, 1
+        ),
         "rss_flat": flat,
     }
 

@@ -127,15 +127,34 @@ def test_soak_kills_are_jittered_off_the_load_period():
 
 
 def test_rss_is_judged_after_the_warm_up():
-    """A pool filled in on first touch grows RSS early, then stays: flat. Growth that
-    goes on after the warm-up is a leak. Short-lived processes are not judged."""
+    """Private RSS that grows early, then stays, is flat; growth that goes on after the
+    warm-up is a leak. A shared pool filling in page by page (RssShmem) is reported,
+    not judged. Short-lived processes are not judged."""
     from bench.soak import _rss_growth
 
     mib = 1 << 20
-    warming = [(t, (1000 + min(t, 60) * 10) * mib) for t in range(0, 600, 2)]
-    leaking = [(t, (1000 + t) * mib) for t in range(0, 600, 2)]
-    short = [(t, (1000 + 10 * t) * mib) for t in range(0, 100, 2)]
+    warming = [(t, (1000 + min(t, 60) * 10) * mib, 10 * t * mib) for t in range(0, 600, 2)]
+    leaking = [(t, (1000 + t) * mib, 0) for t in range(0, 600, 2)]
+    short = [(t, (1000 + 10 * t) * mib, 0) for t in range(0, 100, 2)]
     flat = _rss_growth({1: warming, 3: short}, warmup_s=120)
     assert flat["rss_flat"] and flat["rss_judged"] == 1 and flat["rss_warmup_growth_mib"] == 600
+    assert flat["rss_shared_growth_mib"] == 5980
     leak = _rss_growth({2: leaking}, warmup_s=120)
     assert not leak["rss_flat"] and leak["rss_worst_growth_mib"] == 478
+
+
+def test_shared_memory_is_told_apart_from_private_memory():
+    """A shared anonymous mapping (how the KV pool is allocated) counts as shared."""
+    import mmap
+    import os
+
+    from bench.soak import resident_memory
+
+    private_before, shared_before = resident_memory(os.getpid())
+    pages = mmap.mmap(-1, 64 << 20)
+    for offset in range(0, len(pages), mmap.PAGESIZE):
+        pages[offset] = 1
+    private_after, shared_after = resident_memory(os.getpid())
+    assert shared_after - shared_before >= 60 << 20
+    assert private_after - private_before < 16 << 20
+    pages.close()
