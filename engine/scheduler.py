@@ -10,8 +10,12 @@ running sequence needs a block and none is free, the youngest running sequence i
 preempted: its blocks are freed and it waits to be recomputed, rather than failing.
 
 Imports wait in their own queue for blocks (`reserve_imports`), FIFO, leaving one
-block of headroom per running sequence so that admitting an import does not at once
-force a preemption of a stream that is decoding.
+block of headroom per sequence that holds KV and will grow (running, READY, landing,
+and the import itself) so that admitting an import does not at once force a
+preemption of a stream that is decoding, nor take the block a READY sequence needs
+for its next token. Should nothing be able to run anyway (every block held by READY
+sequences waiting for a block to grow into), the youngest READY sequence gives its
+blocks back and is recomputed later: the batch never stalls with work queued.
 
 With a prefix cache, a sequence taking its seat with no KV yet (fresh, preempted)
 first takes the longest cached chain of its leading full blocks and computes only the
@@ -47,12 +51,15 @@ class Scheduler:
         self.ready: deque[Sequence] = deque()
         self.importing: deque[Sequence] = deque()
         """IMPORTING sequences still waiting for blocks."""
+        self.landing: list[Sequence] = []
+        """IMPORTING sequences whose blocks are reserved: their bytes are moving."""
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
     # --- queues -----------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
+        self._landed(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
@@ -62,6 +69,7 @@ class Scheduler:
 
     def add_ready(self, seq: Sequence) -> None:
         """An imported sequence, KV in the pool, waits for a seat in the batch."""
+        self._landed(seq)
         seq.status = SequenceStatus.READY
         self.ready.append(seq)
 
@@ -74,9 +82,14 @@ class Scheduler:
         for queue in (self.waiting, self.ready, self.importing):
             if seq in queue:
                 queue.remove(seq)
+        self._landed(seq)
         if seq in self.running:
             self.running.remove(seq)
         self.release(seq)
+
+    def _landed(self, seq: Sequence) -> None:
+        if seq in self.landing:
+            self.landing.remove(seq)
 
     def release(self, seq: Sequence) -> None:
         if seq.block_ids:
@@ -89,9 +102,9 @@ class Scheduler:
         `num_cached_tokens // block_size` of them are prefix-cache hits, already holding
         their KV; the transfer writes only the others."""
         reserved = []
-        headroom = len(self.running)
         while self.importing:
             seq = self.importing[0]
+            headroom = self._import_headroom()
             hits = self._cached_prefix(seq, seq.import_tokens // self.config.block_size)
             needed = blocks_needed(seq.import_tokens, self.config.block_size) - len(hits)
             if not self.allocator.can_allocate(needed + self.allocator.num_parked(hits) + headroom):
@@ -99,8 +112,14 @@ class Scheduler:
             self.importing.popleft()
             self._take_hits(seq, hits, seq.import_tokens)
             seq.block_ids += self.allocator.allocate(needed, seq.request_id)
+            self.landing.append(seq)
             reserved.append(seq)
         return reserved
+
+    def _import_headroom(self) -> int:
+        """Blocks an import must leave free: one per sequence that holds KV and will grow
+        (running, READY, landing), and one for the import's own next token."""
+        return len(self.running) + len(self.ready) + len(self.landing) + 1
 
     def _cached_prefix(self, seq: Sequence, max_blocks: int) -> list[int]:
         """The cached blocks `seq` could start from; none unless it holds no KV yet."""
@@ -142,7 +161,24 @@ class Scheduler:
             budget -= num_new
         for queue in (self.ready, self.waiting):
             budget = self._seat(queue, budget, chunks)
+        while not chunks and not self.running and self.ready:
+            # Deadlock breaker: READY sequences hold every block and none can grow.
+            self._evict_youngest_ready()
+            for queue in (self.ready, self.waiting):
+                budget = self._seat(queue, budget, chunks)
         return chunks
+
+    def _evict_youngest_ready(self) -> None:
+        """Free the blocks of the READY sequence last in line; it is recomputed (its
+        published blocks stay in the prefix cache, where it finds them again)."""
+        seq = max(self.ready, key=_line)
+        self.ready.remove(seq)
+        self.release(seq)
+        seq.num_computed_tokens = 0
+        seq.num_published = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
 
     def _seat(self, queue: deque[Sequence], budget: int, chunks: list[ScheduledChunk]) -> int:
         """Move sequences from the head of `queue` into the batch while seats, budget and

@@ -158,6 +158,42 @@ def test_max_num_seqs_bounds_the_batch_with_16_imports(tiny_llama_dir):
     assert_no_leaks(engine)
 
 
+@pytest.mark.parametrize("headroom", ["kept", "ignored"])
+def test_imports_that_fill_the_pool_exactly_still_decode(tiny_llama_dir, monkeypatch, headroom):
+    """Two 16-token imports in a 4-block pool (8-token blocks) with nothing decoding: if
+    both took their blocks, each would need a fifth for its next token and neither could
+    ever start (the hang of a burst on a tiny decode pool). The import headroom makes the
+    second wait for room; without it, the youngest READY sequence gives its blocks back
+    and is recomputed: the outputs are the same either way."""
+    from engine.scheduler import Scheduler
+
+    if headroom == "ignored":
+        monkeypatch.setattr(Scheduler, "_import_headroom", lambda self: 0)
+    engine = make_engine(tiny_llama_dir, num_kv_blocks=4, max_model_len=32)
+    reference = make_engine(tiny_llama_dir)
+    prompts = [prompt_of(16), [t + 1 for t in prompt_of(16)]]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    expected = [s.output_token_ids for s in reference.generate(prompts, params)]
+    seqs = [
+        engine.begin_import(f"r{i}", p, expected[i][:1], params, len(p))
+        for i, p in enumerate(prompts)
+    ]
+    for _ in range(200):
+        if not engine.sequences:
+            break
+        for seq in engine.reserve_imports():
+            source = make_engine(tiny_llama_dir)  # computes the KV the prefill side sends
+            source_seq = prefilled(source, seq.request_id, seq.prompt_token_ids)
+            engine.kv_pool.write_blocks(
+                seq.block_ids, source.kv_pool.read_blocks(source_seq.block_ids)
+            )
+            engine.finish_import(seq.request_id, ok=True, recompute=False)
+        engine.step()
+    assert [s.output_token_ids for s in seqs] == expected
+    assert engine.scheduler.num_preemptions == (headroom == "ignored")
+    assert_no_leaks(engine)
+
+
 def test_a_request_that_fits_the_context_but_not_the_pool_is_refused_at_once(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir, num_kv_blocks=4, block_size=8, max_model_len=256)
     with pytest.raises(InvalidRequestError, match="do not fit"):
