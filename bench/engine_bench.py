@@ -10,10 +10,12 @@ Two kinds of figure, never mixed in one column:
   batching (`generate_batch`) measure it: our `generate`, their two, tokens/s.
 
 Each decode step is set against the roofline of the same process's CPU, measured in
-this run (`bench.roofline`; read bandwidth = a sum over 512 MiB, just before and just
-after that batch size's runs, the better of the two): the weights alone (bytes
-streamed per step / read bandwidth: the batch-1 target) and the lower bound with the
-KV cache read too. Prefill is tokens/s of 8 prompts in one batch. Every
+this run (`bench.roofline`; read bandwidth = a sum over 256 MiB, probed between every
+two timed runs, each run judged at the better of the two probes around it: the step
+of this shared machine moves by a third within minutes, so a bound probed once per
+batch size could come from another minute than the step): the weights alone (bytes
+streamed per step / read bandwidth: the batch-1 target, the median of the per-run
+ratios) and the lower bound with the KV cache read too. Prefill is tokens/s of 8 prompts in one batch. Every
 figure is a median of `--repeats` runs; the CPU and the load average are printed.
 """
 
@@ -53,10 +55,12 @@ class EngineBenchResult:
     repeats: int
     cpu: str
     read_bandwidth_gbps: float
-    """Measured around the batch-1 run (a sum over 512 MiB, the better of before/after)."""
+    """Median over the batch-1 runs of the better of the probes around each."""
     weight_bytes: int
     weight_roofline_ms: float
     """Weights streamed per step / read bandwidth: the floor of a batch-1 step."""
+    weight_roofline_ratio: float = 0.0
+    """Median over the batch-1 runs of step / weight roofline at that run's bandwidth."""
     load_before: float = 0.0
     load_after: float = 0.0
     ours_step_ms: dict[int, float] = field(default_factory=dict)
@@ -175,14 +179,15 @@ def run_engine_bench(args) -> int:
 
 def _decode_rows(engine: LLMEngine, result: EngineBenchResult, args, batch: int) -> None:
     """Median decode step of `batch` sequences, and its roofline at the read bandwidth
-    measured just before and just after it (the better of the two: the machine is shared,
-    and a bound taken at a busier moment than the step would flatter the step)."""
-    before = read_bandwidth()
-    runs = [
-        _decode_step_ms(engine, batch, args.prompt_len, args.decode_steps)
-        for _ in range(args.repeats)
-    ]
-    bandwidth = max(before, read_bandwidth())
+    probed between the runs: each run against the better of the probes just before and
+    just after it (a bound taken at a busier moment than the step would flatter it)."""
+    probes = [read_bandwidth()]
+    runs = []
+    for _ in range(args.repeats):
+        runs.append(_decode_step_ms(engine, batch, args.prompt_len, args.decode_steps))
+        probes.append(read_bandwidth())
+    around = [max(before, after) for before, after in itertools.pairwise(probes)]
+    bandwidth = statistics.median(around)
     result.ours_step_ms[batch] = statistics.median(runs)
     hardware = dataclasses.replace(
         hardware_profile("cpu", dtypes=(result.dtype,), threads=args.threads),
@@ -194,6 +199,9 @@ def _decode_rows(engine: LLMEngine, result: EngineBenchResult, args, batch: int)
     if batch == 1 or not result.read_bandwidth_gbps:
         result.read_bandwidth_gbps = bandwidth / 1e9
         result.weight_roofline_ms = result.weight_bytes / bandwidth * 1000.0
+        result.weight_roofline_ratio = statistics.median(
+            ms / (result.weight_bytes / bw * 1000.0) for ms, bw in zip(runs, around, strict=True)
+        )
 
 
 def _new_result(engine: LLMEngine, args, load_before: float) -> EngineBenchResult:
@@ -312,7 +320,7 @@ def format_report(r: EngineBenchResult) -> str:
         f"model {r.model}  dtype {r.dtype}  threads {r.threads}  kernels: {r.kernels}",
         f"CPU {r.cpu}; load average {r.load_before:.2f} before, {r.load_after:.2f} after; "
         f"medians of {r.repeats} runs",
-        f"read bandwidth {r.read_bandwidth_gbps:.2f} GB/s (around the batch-1 run); weights "
+        f"read bandwidth {r.read_bandwidth_gbps:.2f} GB/s (probed around each batch-1 run); weights "
         f"per step {r.weight_bytes / 1e6:.0f} MB -> weight roofline {r.weight_roofline_ms:.1f} ms",
         "",
         f"Steady-state decode (prompts of {r.prompt_len} prefilled; one step = one token per "
@@ -335,9 +343,11 @@ def format_report(r: EngineBenchResult) -> str:
     )
     if 1 in r.ours_step_ms:
         stream = r.weight_bytes / r.ours_step_ms[1] / 1e6
+        ratio = r.weight_roofline_ratio or r.ours_step_ms[1] / r.weight_roofline_ms
         lines.append(
-            f"batch-1 step / weight roofline = {r.ours_step_ms[1] / r.weight_roofline_ms:.2f} "
-            f"(weights streamed at {stream:.1f} GB/s, read bandwidth {r.read_bandwidth_gbps:.1f})"
+            f"batch-1 step / weight roofline = {ratio:.2f}, the median of each run against "
+            f"the bandwidth probed around it (weights streamed at {stream:.1f} GB/s, read "
+            f"bandwidth {r.read_bandwidth_gbps:.1f})"
         )
     if r.thread_choice:
         lines.append("Thread choice (moving average per thread count; the faster one runs):")

@@ -18,6 +18,7 @@ def test_report_separates_steady_state_decode_from_end_to_end():
         read_bandwidth_gbps=25.0,
         weight_bytes=538_000_000,
         weight_roofline_ms=21.5,
+        weight_roofline_ratio=1.09,
         ours_step_ms={1: 23.0, 16: 60.0},
         roofline_step_ms={1: 22.0, 16: 30.0},
         ours_prefill_tok_s=600.0,
@@ -32,9 +33,12 @@ def test_report_separates_steady_state_decode_from_end_to_end():
 
     assert "Steady-state decode" in report and "prefill included" in report
     assert (
-        "CPU AMD EPYC" in report and "read bandwidth 25.00 GB/s (around the batch-1 run)" in report
+        "CPU AMD EPYC" in report
+        and "read bandwidth 25.00 GB/s (probed around each batch-1 run)" in report
     )
-    assert "batch-1 step / weight roofline = 1.07 (weights streamed at 23.4 GB/s" in report
+    # The per-run ratios' median, not the ratio of the medians (23.0 / 21.5 = 1.07).
+    assert "batch-1 step / weight roofline = 1.09, the median of each run" in report
+    assert "(weights streamed at 23.4 GB/s" in report
     steady = next(line for line in report.splitlines() if line.split()[:1] == ["16"])
     assert steady.split()[-1] == "3.33"  # ours vs HF, both steady state (200 / 60 ms)
     assert "decode 1 rows: 1 thr 25.0 ms, 2 thr 23.0 ms" in report
