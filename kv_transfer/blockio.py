@@ -74,16 +74,16 @@ def total_bytes(pieces: list[Piece]) -> int:
 
 
 def copy_pieces(
-    src_flat: torch.Tensor, dst_flat: torch.Tensor, pieces: list[Piece], step, landed=None
+    src_flat: torch.Tensor, dst_flat: torch.Tensor, pieces: list[Piece], step, verifier
 ) -> None:
     """One copy per piece from the sender's pool bytes into ours (same-process memory).
 
     `step(piece)` runs before each copy (shaping, faults, heartbeats) and returns True
     when the copied bytes must be corrupted (fault injection on the receiving side).
-    `landed(end)` runs after each copy with the stream offset now complete (pieces are
-    in stream order), so the caller can checksum the piece while it is in cache.
-    CPU copies go through numpy: one plain memcpy, where torch's copy_ may split the
-    copy across intra-op threads, which collapses on a busy 2-core machine.
+    CPU pools: the verifier copies each piece and checksums it while it is in cache
+    (`BlockVerifier.copy_piece`, numpy copies: one plain memcpy, where torch's copy_
+    may split it across intra-op threads, which collapses on a busy 2-core machine).
+    Device pools: torch copies, and `verifier.landed(end)` follows each piece.
     """
     cpu = not (src_flat.is_cuda or dst_flat.is_cuda)
     src_all, dst_all = (src_flat.numpy(), dst_flat.numpy()) if cpu else (src_flat, dst_flat)
@@ -92,13 +92,12 @@ def copy_pieces(
         dst = dst_all[piece.dst : piece.dst + piece.nbytes]
         src = src_all[piece.src : piece.src + piece.nbytes]
         if cpu:
-            dst[:] = src
-        else:
-            dst.copy_(src)
+            verifier.copy_piece(src, dst, piece.offset, corrupt)
+            continue
+        dst.copy_(src)
         if corrupt:
             dst[0] = 255 - int(dst[0])
-        if landed is not None:
-            landed(piece.offset + piece.nbytes)
+        verifier.landed(piece.offset + piece.nbytes)
 
 
 def copy_pieces_parallel(
@@ -107,7 +106,7 @@ def copy_pieces_parallel(
     pieces: list[Piece],
     corrupt: set[int],
     check,
-    verify_piece,
+    land,
     executor: Executor,
     lanes: int,
     tick=None,
@@ -118,9 +117,9 @@ def copy_pieces_parallel(
     a GIL round per MiB).
 
     Each lane runs `check()` before each piece (raises to stop: cancellation, deadline),
-    copies it, flips its first byte when its index is in `corrupt` (receiver-side fault
-    injection), and calls `verify_piece(offset, nbytes)` while the piece is still in
-    that core's cache. The calling thread waits, calling `tick()` every `tick_s` (lease
+    then `land(src, dst, offset, corrupt)` with the piece's uint8 views, which copies it
+    and verifies it (`BlockVerifier.copy_piece`; `corrupt` when the piece's index is in
+    `corrupt`, receiver-side fault injection). The calling thread waits, calling `tick()` every `tick_s` (lease
     heartbeats of a long transfer). A failing lane stops the others at their next piece.
     Returns (or raises) only once no copy is running, so a caller that frees the
     destination blocks on failure never races a copy into them.
@@ -135,11 +134,9 @@ def copy_pieces_parallel(
                     return
                 check()
                 piece = pieces[i]
+                src = src_all[piece.src : piece.src + piece.nbytes]
                 dst = dst_all[piece.dst : piece.dst + piece.nbytes]
-                dst[:] = src_all[piece.src : piece.src + piece.nbytes]  # releases the GIL
-                if i in corrupt:
-                    dst[0] = 255 - int(dst[0])
-                verify_piece(piece.offset, piece.nbytes)
+                land(src, dst, piece.offset, i in corrupt)  # numpy copies release the GIL
         except BaseException:
             failed.set()
             raise

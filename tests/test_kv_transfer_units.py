@@ -21,6 +21,7 @@ from kv_transfer import (
     ExportTicket,
     FailureReason,
     FaultOptions,
+    KVTransferError,
     TransferState,
     TransportOptions,
     make_receiver,
@@ -91,6 +92,49 @@ def test_checksum_catches_a_flipped_bit_and_swapped_rows(algo):
     assert checksum(data.copy(), algo) == reference
 
 
+@pytest.mark.parametrize("algo", ["xxh3_64", "crc32"])
+@pytest.mark.parametrize("corrupt", [False, True])
+@pytest.mark.parametrize("blocks_per_piece", [2, 1.5, 0.3])
+def test_copy_piece_sums_blocks_in_steps_exactly_as_whole_blocks(
+    monkeypatch, algo, corrupt, blocks_per_piece
+):
+    """Blocks copied and summed a step at a time (here 1000 B: four whole steps and a
+    short one per 4 KiB block), in pieces of whole blocks or cutting through them,
+    verify against the sender's one-shot sums; a piece flipped by fault injection
+    fails exactly its first block."""
+    from types import SimpleNamespace
+
+    from kv_transfer import integrity
+    from kv_transfer.integrity import BlockVerifier, block_checksums
+
+    monkeypatch.setattr(integrity, "CACHE_STEP", 1000)
+    source, dest = random_pool(seed=3), random_pool(seed=4)
+    src_ids, dst_ids = [3, 4, 5], [10, 11, 12]
+    ticket = SimpleNamespace(
+        checksums=block_checksums(source.kv, src_ids, algo),
+        checksum_algo=algo,
+        request_id="r",
+        sender_id="prefill-0",
+    )
+    verifier = BlockVerifier(dest.kv, dst_ids, ticket)
+    src_all, dst_all = flat_bytes(source.kv).numpy(), flat_bytes(dest.kv).numpy()
+    chunk = int(blocks_per_piece * LAYOUT.block_nbytes)
+    for piece in plan_pieces(src_ids, dst_ids, LAYOUT.block_nbytes, chunk):
+        verifier.copy_piece(
+            src_all[piece.src : piece.src + piece.nbytes],
+            dst_all[piece.dst : piece.dst + piece.nbytes],
+            piece.offset,
+            corrupt and piece.offset == 0,
+        )
+    assert verifier.checked == [True, True, True]
+    if corrupt:
+        with pytest.raises(KVTransferError, match=r"1 of 3 blocks.*positions \[0\]"):
+            verifier.finish()
+    else:
+        verifier.finish()
+        assert torch.equal(dest.kv[dst_ids], source.kv[src_ids])
+
+
 def test_plan_pieces_are_contiguous_on_both_sides():
     pieces = plan_pieces([4, 5, 6, 9], [0, 1, 7, 8], block_nbytes=100, chunk_bytes=150)
     assert [(p.src, p.dst, p.offset, p.nbytes) for p in pieces] == [
@@ -114,15 +158,18 @@ def test_parallel_copy_is_exact_and_drains_before_a_failure_returns(failing_chec
         if failing_check is not None and next(checks) >= failing_check:
             raise TimeoutError("deadline")
 
-    def verify(offset, nbytes):
+    def land(src_piece, dst_piece, offset, corrupt):
         running.append(1)
+        dst_piece[:] = src_piece
+        if corrupt:
+            dst_piece[0] = 255 - int(dst_piece[0])
         time.sleep(0.01)  # a slow copy still in flight when the other lane fails
         verified.append(offset)
         running.pop()
 
     def copy(corrupt=frozenset()):
         copy_pieces_parallel(
-            flat_bytes(src), flat_bytes(dst), pieces, set(corrupt), check, verify, pool, 2
+            flat_bytes(src), flat_bytes(dst), pieces, set(corrupt), check, land, pool, 2
         )
 
     with ThreadPoolExecutor(2) as pool:

@@ -242,9 +242,8 @@ class GrpcReceiver(TransportReceiver):
                 if chunk_offset != offset or offset + len(payload) > expected:
                     raise fail(ticket, FailureReason.INTERNAL, f"chunk at {chunk_offset}")
                 data = np.frombuffer(payload, dtype=np.uint8)
-                self._write(flat, dst_block_ids, runs, block_nbytes, offset, data)
+                self._write(flat, dst_block_ids, runs, block_nbytes, offset, data, verifier)
                 offset += len(payload)
-                verifier.landed(offset)
                 continue
             kind = response.WhichOneof("kind")
             if kind == "error":
@@ -258,8 +257,9 @@ class GrpcReceiver(TransportReceiver):
         )
 
     @staticmethod
-    def _write(flat, dst_ids, runs, block_nbytes: int, offset: int, data: np.ndarray) -> None:
-        """Copy stream bytes at `offset` into our blocks, split where our ids jump."""
+    def _write(flat, dst_ids, runs, block_nbytes: int, offset: int, data, verifier) -> None:
+        """Copy stream bytes at `offset` into our blocks, split where our ids jump; on a
+        CPU pool the verifier copies them, summing each block right behind its copy."""
         done = 0
         while done < data.size:
             index, within = divmod(offset + done, block_nbytes)
@@ -268,8 +268,9 @@ class GrpcReceiver(TransportReceiver):
             piece = data[done : done + n]
             if flat.is_cuda:
                 flat[start : start + n].copy_(torch.from_numpy(piece.copy()))
+                verifier.landed(offset + done + n)
             else:
-                flat[start : start + n].numpy()[:] = piece
+                verifier.copy_piece(piece, flat[start : start + n].numpy(), offset + done, False)
             done += n
 
     def keepalive(self, ticket: ExportTicket, timeout_s: float = 5.0) -> bool:

@@ -83,7 +83,7 @@ class LocalReceiver(TransportReceiver):
         failure: FailureReason | None = FailureReason.INTERNAL
         try:
             copy_pieces(
-                flat_bytes(sender.pool.kv), flat_bytes(self.pool.kv), pieces, step, verifier.landed
+                flat_bytes(sender.pool.kv), flat_bytes(self.pool.kv), pieces, step, verifier
             )
             shaper.finish()
             failure = None

@@ -4,16 +4,20 @@ At start the sender re-homes its pool in a file under `shm_dir` (/dev/shm) and s
 a control server. Per transfer the receiver:
 
     1. maps the sender's pool file (once per sender, kept),
-    2. sends `begin` on a kept control connection (the sender marks the export
-       TRANSFERRING and extends the lease, or says it is gone) without waiting,
-    3. copies the blocks itself, one memcpy per piece (no socket in the data path),
-       checksumming each piece while it is in cache, heartbeating if pacing makes the
-       copy outlast a third of the lease; then reads the `begin` reply,
-    4. `end`: the sender records the transfer; a sender that died meanwhile fails it.
+    2. sends `begin` on a kept control connection without waiting: the sender
+       extends the lease and counts the transfer served (granting access is all of
+       its part), or says the export is gone,
+    3. copies the blocks itself on `copy_lanes` threads (no socket in the data path),
+       checksumming each block in L2-sized steps right behind their copies,
+       heartbeating if pacing makes the copy outlast a third of the lease,
+    4. reads the `begin` reply, which has long arrived: one control message per
+       transfer, its round trip hidden behind the copy.
 
 Checksums catch any block the sender reused under us (a refused `begin` wins over
-them: the fetch fails UNKNOWN_REQUEST). Faults: drop/stall/kill strike in the sender's control handler; corrupt
-strikes in the receiver's copy (the sender never touches these bytes).
+them: the fetch fails UNKNOWN_REQUEST). A sender that dies after its `begin` left
+bytes that verify: the fetch stands. Faults: drop/stall/kill strike in the sender's
+`begin` handler; corrupt strikes in the receiver's copy (the sender never touches
+these bytes).
 """
 
 from __future__ import annotations
@@ -57,7 +61,8 @@ from kv_transfer.shaping import Shaper
 logger = logging.getLogger(__name__)
 
 FILE_PREFIX = "pdserve-kv-"
-CACHE_PIECE = 1 << 20  # copy + checksum granularity: fits a core's L2 with room to spare
+PIECE_BYTES = 1 << 20
+"""Most bytes a copy lane moves between two deadline / cancellation checks."""
 
 
 def _pid_alive(pid: int) -> bool:
@@ -125,35 +130,26 @@ class ShmServer:
         while True:
             op, request_id = message.get("op"), str(message.get("request_id", ""))
             if op == "begin":
-                self._begin(conn, request_id)
+                self._begin(conn, request_id, int(message.get("nbytes", 0)))
             elif op == "heartbeat":
                 alive = self.sender.heartbeat(request_id)
                 send_message(conn, {"ok": alive, "reason": "unknown_request"})
-            elif op == "end":
-                self._end(conn, request_id, message)
             else:
                 send_message(conn, {"ok": False, "reason": "internal", "message": f"op {op}"})
             message = recv_message(conn)
 
-    def _begin(self, conn: socket.socket, request_id: str) -> None:
+    def _begin(self, conn: socket.socket, request_id: str, nbytes: int) -> None:
         plan = FaultPlan(self.faults, 1, request_id)
-        if plan.mode in ("drop", "stall"):
-            try:
-                plan.hit(0, 1)
-            except DropTransfer:
-                conn.shutdown(socket.SHUT_RDWR)
-                raise ChannelClosed("dropped by fault injection") from None
-        record = self.sender.registry.begin_transfer(request_id)
-        if record is None:
+        try:
+            plan.hit(0, 1)  # drop, stall, or kill (this process dies, the reply unsent)
+        except DropTransfer:
+            conn.shutdown(socket.SHUT_RDWR)
+            raise ChannelClosed("dropped by fault injection") from None
+        registry = self.sender.registry
+        if registry.begin_transfer(request_id) is None:
             send_message(conn, {"ok": False, "reason": "unknown_request"})
-        else:
-            send_message(conn, {"ok": True})
-
-    def _end(self, conn: socket.socket, request_id: str, message: dict) -> None:
-        if self.faults.mode == "kill":
-            FaultPlan(self.faults, 1, request_id).hit(0, 1)
-        failure = None if message.get("ok") else FailureReason(message.get("reason", "internal"))
-        self.sender.registry.end_transfer(request_id, int(message.get("nbytes", 0)), failure)
+            return
+        registry.end_transfer(request_id, nbytes)  # the receiver moves the bytes itself
         send_message(conn, {"ok": True})
 
     def close(self) -> None:
@@ -275,7 +271,8 @@ class ShmReceiver(TransportReceiver):
             # reply is read after the copy, so the round trip overlaps the copy: the
             # bytes land in our own blocks, and a refused begin still fails the fetch.
             # A new connection waits for it: nothing is read before the token is.
-            self._send(conn, ticket, {"op": "begin"})
+            nbytes = len(dst_block_ids) * self.pool.layout.block_nbytes
+            self._send(conn, ticket, {"op": "begin", "nbytes": nbytes})
             begun = [False]
 
             def confirm_begin() -> None:
@@ -286,9 +283,8 @@ class ShmReceiver(TransportReceiver):
             if not conn.accepted:
                 confirm_begin()
 
-            nbytes = self._copy(conn, ticket, src, dst_block_ids, deadline, verifier, confirm_begin)
+            self._copy(conn, ticket, src, dst_block_ids, deadline, verifier, confirm_begin)
             confirm_begin()
-            self._call(conn, ticket, deadline, {"op": "end", "ok": True, "nbytes": nbytes})
         except BaseException:
             conn.close()
             raise
@@ -298,13 +294,13 @@ class ShmReceiver(TransportReceiver):
 
     def _copy(
         self, conn, ticket, src: torch.Tensor, dst_block_ids, deadline: float, verifier, confirm
-    ) -> int:
+    ) -> None:
         shaper = Shaper(self.options.bandwidth_bytes_per_s, self.options.added_latency_s)
         block = self.pool.layout.block_nbytes
-        # Whole blocks of about CACHE_PIECE bytes: each is checksummed right after its copy,
-        # while it is still in L2, instead of read back from memory in a second pass.
-        cache_piece = max(block, CACHE_PIECE // block * block)
-        chunk = min(shaper.piece_bytes(self.options.chunk_bytes), cache_piece)
+        # Pieces of whole blocks, so that the verifier sums each block in L2-sized steps
+        # right behind their copies (a piece cutting a block is summed after the copy).
+        chunk = min(shaper.piece_bytes(self.options.chunk_bytes), PIECE_BYTES)
+        chunk = max(block, chunk // block * block)
         pieces = plan_pieces(ticket.block_ids, dst_block_ids, block, chunk)
         corrupt_only = FaultOptions(
             mode="corrupt" if self.options.faults.mode == "corrupt" else "none",
@@ -332,7 +328,7 @@ class ShmReceiver(TransportReceiver):
         dst = flat_bytes(self.pool.kv)
         # A paced link gains nothing from lanes; one piece is not worth a thread handoff.
         if self._copier is None or shaper.active or len(pieces) < 2:
-            copy_pieces(src, dst, pieces, step, verifier.landed)
+            copy_pieces(src, dst, pieces, step, verifier)
         else:
             corrupt = {i for i, p in enumerate(pieces) if faults.hit(p.offset, p.nbytes)}
             copy_pieces_parallel(
@@ -341,14 +337,13 @@ class ShmReceiver(TransportReceiver):
                 pieces,
                 corrupt,
                 lambda: remaining(deadline, ticket),
-                verifier.verify_piece,
+                verifier.copy_piece,
                 self._copier,
                 self.copy_lanes,
                 tick=beat,
                 tick_s=beat_every,
             )
         shaper.finish()
-        return total_bytes(pieces)
 
     def keepalive(self, ticket: ExportTicket, timeout_s: float = 5.0) -> bool:
         deadline = time.monotonic() + timeout_s
