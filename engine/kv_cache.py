@@ -13,6 +13,8 @@ the sender's ids and writes them under the receiver's ids.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import mmap
 from dataclasses import dataclass
@@ -33,20 +35,24 @@ class KVLayout:
     head_dim: int
     block_size: int
 
-    @property
+    # Cached: a KV receiver reads these on every fetch (a frozen dataclass still has a
+    # __dict__ for cached_property to fill).
+    @functools.cached_property
     def block_shape(self) -> tuple[int, ...]:
         return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
-    @property
+    @functools.cached_property
     def block_numel(self) -> int:
-        n = 1
-        for dim in self.block_shape:
-            n *= dim
-        return n
+        return math.prod(self.block_shape)
 
-    @property
+    @functools.cached_property
     def block_nbytes(self) -> int:
-        return self.block_numel * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return self.block_numel * getattr(torch, self.dtype).itemsize
+
+    def as_dict(self) -> dict:
+        """The fields as a plain dict (what tickets carry); `dataclasses.asdict` deep-copies
+        every value, a noticeable share of a 1 MiB transfer."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     @classmethod
     def for_model(cls, spec: ModelSpec, dtype: torch.dtype, block_size: int) -> KVLayout:

@@ -231,9 +231,9 @@ class KVReceiver(ABC):
 
 def check_layout(ticket: ExportTicket, local: KVLayout, peer: str) -> None:
     """Receivers call this first: refuse blocks of another model, dtype or shape."""
-    if ticket.layout != asdict(local):
+    if ticket.layout != local.as_dict():
         raise KVTransferError(
-            f"layout {ticket.layout} does not match local {asdict(local)}",
+            f"layout {ticket.layout} does not match local {local.as_dict()}",
             ticket.request_id,
             peer,
             FailureReason.LAYOUT_MISMATCH,

@@ -13,6 +13,7 @@ import threading
 from concurrent.futures import FIRST_EXCEPTION, Executor, wait
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -73,8 +74,19 @@ def total_bytes(pieces: list[Piece]) -> int:
     return sum(p.nbytes for p in pieces)
 
 
+def _numpy(flat):
+    """A CPU pool's bytes as numpy (given as numpy or a CPU tensor); None on a device."""
+    if isinstance(flat, np.ndarray):
+        return flat
+    return None if flat.is_cuda else flat.numpy()
+
+
 def copy_pieces(
-    src_flat: torch.Tensor, dst_flat: torch.Tensor, pieces: list[Piece], step, verifier
+    src_flat: torch.Tensor | np.ndarray,
+    dst_flat: torch.Tensor | np.ndarray,
+    pieces: list[Piece],
+    step,
+    verifier,
 ) -> None:
     """One copy per piece from the sender's pool bytes into ours (same-process memory).
 
@@ -85,8 +97,10 @@ def copy_pieces(
     may split it across intra-op threads, which collapses on a busy 2-core machine).
     Device pools: torch copies, and `verifier.landed(end)` follows each piece.
     """
-    cpu = not (src_flat.is_cuda or dst_flat.is_cuda)
-    src_all, dst_all = (src_flat.numpy(), dst_flat.numpy()) if cpu else (src_flat, dst_flat)
+    src_all, dst_all = _numpy(src_flat), _numpy(dst_flat)
+    cpu = src_all is not None and dst_all is not None
+    if not cpu:
+        src_all, dst_all = src_flat, dst_flat
     for piece in pieces:
         corrupt = step(piece)
         dst = dst_all[piece.dst : piece.dst + piece.nbytes]
@@ -101,8 +115,8 @@ def copy_pieces(
 
 
 def copy_pieces_parallel(
-    src_flat: torch.Tensor,
-    dst_flat: torch.Tensor,
+    src_flat: torch.Tensor | np.ndarray,
+    dst_flat: torch.Tensor | np.ndarray,
     pieces: list[Piece],
     corrupt: set[int],
     check,
@@ -124,7 +138,7 @@ def copy_pieces_parallel(
     Returns (or raises) only once no copy is running, so a caller that frees the
     destination blocks on failure never races a copy into them.
     """
-    src_all, dst_all = src_flat.numpy(), dst_flat.numpy()
+    src_all, dst_all = _numpy(src_flat), _numpy(dst_flat)
     failed = threading.Event()
 
     def copy_stripe(indexes: range) -> None:

@@ -3,7 +3,7 @@
 A sender starts one `ControlServer` at worker start; it accepts TCP connections on
 its bind address and runs one thread per connection. A receiver opens a connection
 (`ControlConnection`) and exchanges length-prefixed JSON messages: `shm` keeps idle
-connections per sender and reuses one per transfer (begin, end), `collective` keeps one
+connections per sender and reuses one per transfer (`begin`), `collective` keeps one
 per sender/receiver pair for the pair's life, so a dead receiver is seen as that
 connection closing. Every request carries the
 cluster token; a wrong token is answered with `unauthorized` and the connection closed.

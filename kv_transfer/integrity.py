@@ -18,6 +18,7 @@ Two algorithms, named in the ticket so both ends agree:
 
 from __future__ import annotations
 
+import math
 import zlib
 
 import numpy as np
@@ -83,7 +84,13 @@ class BlockVerifier:
     the transport returns.
     """
 
-    def __init__(self, kv: torch.Tensor, dst_block_ids: list[int], ticket: ExportTicket):
+    def __init__(
+        self,
+        kv: torch.Tensor,
+        dst_block_ids: list[int],
+        ticket: ExportTicket,
+        flat: np.ndarray | None = None,
+    ):
         if len(ticket.checksums) != len(dst_block_ids):
             raise KVTransferError(
                 f"{len(ticket.checksums)} checksums for {len(dst_block_ids)} blocks",
@@ -94,10 +101,13 @@ class BlockVerifier:
         self.kv = kv
         # CPU pools: one numpy view of the pool, sliced per block (torch indexing per
         # block costs as much as summing a small block).
-        self.flat = kv.view(-1).view(torch.uint8).numpy() if kv.device.type == "cpu" else None
+        # `flat`: that view made once by the caller (it costs as much as a small fetch).
+        if flat is None and kv.device.type == "cpu":
+            flat = kv.view(-1).view(torch.uint8).numpy()
+        self.flat = flat
         self.dst = dst_block_ids
         self.ticket = ticket
-        self.block_nbytes = kv[0].numel() * kv.element_size() if len(kv) else 1
+        self.block_nbytes = math.prod(kv.shape[1:]) * kv.element_size() if len(kv) else 1
         self.done = 0  # stream positions up to here are verified
         self.checked = [False] * len(dst_block_ids)
         self.bad: list[int] = []

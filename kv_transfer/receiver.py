@@ -15,6 +15,8 @@ import time
 from abc import abstractmethod
 from dataclasses import replace
 
+import torch
+
 from engine.kv_cache import KVCachePool
 from kv_transfer.base import (
     ExportTicket,
@@ -65,6 +67,8 @@ class TransportReceiver(KVReceiver):
         self.options = options
         self._stats = ReceiverStats()
         self._lock = threading.Lock()
+        self._bytes_of: torch.Tensor | None = None
+        self._bytes = None
 
     @abstractmethod
     def _pull(
@@ -99,7 +103,7 @@ class TransportReceiver(KVReceiver):
                     ticket.sender_id,
                     FailureReason.INTERNAL,
                 )
-            verifier = BlockVerifier(self.pool.kv, dst_block_ids, ticket)
+            verifier = BlockVerifier(self.pool.kv, dst_block_ids, ticket, self._pool_bytes())
             result.transport = self._pull(ticket, dst_block_ids, start + timeout_s, verifier)
             verifier.finish()
             result.state = TransferState.DONE
@@ -115,6 +119,14 @@ class TransportReceiver(KVReceiver):
         result.seconds = time.monotonic() - start
         self._count(result)
         return result
+
+    def _pool_bytes(self):
+        """Our CPU pool as one uint8 numpy array (None on a device), made once per storage."""
+        kv = self.pool.kv
+        if self._bytes_of is not kv:
+            self._bytes = kv.view(-1).view(torch.uint8).numpy() if kv.device.type == "cpu" else None
+            self._bytes_of = kv
+        return self._bytes
 
     def cancel(self, request_id: str) -> None:
         CANCELLED_FETCHES.cancel(request_id)

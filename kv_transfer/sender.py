@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import asdict
 from typing import Protocol
 
 from engine.kv_cache import KVCachePool
@@ -76,7 +75,7 @@ class RegistrySender(KVSender):
             request_id=request_id,
             sender_id=self.worker_id,
             sender_endpoint=self.endpoint(),
-            layout=asdict(self.pool.layout),
+            layout=self.pool.layout.as_dict(),
             block_ids=list(block_ids),
             num_tokens=num_tokens,
             checksums=checksums,

@@ -32,6 +32,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from engine.kv_cache import KVCachePool
@@ -39,7 +40,6 @@ from kv_transfer.base import ExportTicket, FailureReason, KVTransferError
 from kv_transfer.blockio import (
     copy_pieces,
     copy_pieces_parallel,
-    flat_bytes,
     plan_pieces,
     total_bytes,
 )
@@ -168,7 +168,7 @@ class ShmReceiver(TransportReceiver):
 
     def __init__(self, worker_id: str, pool: KVCachePool, options: TransportOptions):
         super().__init__("shm", worker_id, pool, options)
-        self._maps: dict[str, tuple[mmap.mmap, torch.Tensor]] = {}
+        self._maps: dict[str, tuple[mmap.mmap, np.ndarray]] = {}
         self._idle: dict[tuple[str, int], list[ControlConnection]] = {}
         self._idle_lock = threading.Lock()
         self.copy_lanes = copy_lanes(options)
@@ -178,7 +178,7 @@ class ShmReceiver(TransportReceiver):
             else None
         )
 
-    def _mapped(self, ticket: ExportTicket) -> torch.Tensor:
+    def _mapped(self, ticket: ExportTicket) -> np.ndarray:
         info = ticket.sender_endpoint["shm"]
         path, nbytes = info["path"], int(info["nbytes"])
         cached = self._maps.get(path)
@@ -195,7 +195,7 @@ class ShmReceiver(TransportReceiver):
             region = mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
         finally:
             os.close(fd)
-        flat = torch.frombuffer(region, dtype=torch.uint8)
+        flat = np.frombuffer(region, dtype=np.uint8)
         self._maps[path] = (region, flat)
         return flat
 
@@ -293,7 +293,7 @@ class ShmReceiver(TransportReceiver):
         return "shm"
 
     def _copy(
-        self, conn, ticket, src: torch.Tensor, dst_block_ids, deadline: float, verifier, confirm
+        self, conn, ticket, src: np.ndarray, dst_block_ids, deadline: float, verifier, confirm
     ) -> None:
         shaper = Shaper(self.options.bandwidth_bytes_per_s, self.options.added_latency_s)
         block = self.pool.layout.block_nbytes
@@ -325,7 +325,7 @@ class ShmReceiver(TransportReceiver):
             return faults.hit(piece.offset, piece.nbytes)
 
         shaper.start()
-        dst = flat_bytes(self.pool.kv)
+        dst = self._pool_bytes()  # numpy views: copies that release the GIL, no torch per call
         # A paced link gains nothing from lanes; one piece is not worth a thread handoff.
         if self._copier is None or shaper.active or len(pieces) < 2:
             copy_pieces(src, dst, pieces, step, verifier)
