@@ -69,6 +69,9 @@ class DrillReport:
     leaked_leases: dict[str, int] = field(default_factory=dict)
     soak: dict = field(default_factory=dict)
     """Soak runs only: throughput recovery, RSS growth, plot path (see bench/soak.py)."""
+    affected_requests: list[dict] = field(default_factory=list)
+    """Per recovered request (--json only): its latency, its baseline's, what the
+    server did (recoveries, paths) and the server's phase timings."""
 
     @property
     def kills_hit(self) -> int:
@@ -109,6 +112,7 @@ def verdict(
     else:
         baseline = {prompt: ref.e2e_s for prompt, ref in reference.items()}
     extra = [r.e2e_s - baseline[key(r)] for r in affected if key(r) in baseline]
+    details = [_affected(r, baseline.get(key(r))) for r in affected]
     expected = {prompt: ref.text for prompt, ref in reference.items()}
     wrong = [r for r in done if r.text != expected.get(key(r))]
     gaps = resume_gaps(affected, [k.killed_at for k in kills if k.hit])
@@ -135,7 +139,23 @@ def verdict(
         full_strength_after_s=_worst(k.full_strength_after_s for k in healed),
         leaked_blocks=blocks,
         leaked_leases=leases,
+        affected_requests=details,
     )
+
+
+def _affected(record: RequestRecord, baseline_s: float | None) -> dict:
+    timings = record.server_timings
+    return {
+        "index": record.index,
+        "e2e_s": round(record.e2e_s, 3),
+        "baseline_s": None if baseline_s is None else round(baseline_s, 3),
+        "extra_s": None if baseline_s is None else round(record.e2e_s - baseline_s, 3),
+        "recoveries": timings.get("recoveries", []),
+        "recovery_paths": timings.get("recovery_paths", []),
+        "server_timings": {
+            k: v for k, v in timings.items() if k not in ("recoveries", "recovery_paths")
+        },
+    }
 
 
 def _prompt_key(record: RequestRecord):

@@ -75,6 +75,10 @@ def test_drill_kills_workers_and_reports_no_loss(tiny_llama_dir, tmp_path):
     assert report["detect_max_s"] is not None and report["detect_max_s"] < 5.0
     assert report["full_strength_after_s"] is not None
     assert sum(report["recovery_paths"].values()) > 0
+    affected = report["affected_requests"]
+    assert len(affected) == report["recovered"]
+    assert all(a["recoveries"] and a["server_timings"] for a in affected)
+    assert all(abs(a["extra_s"] - (a["e2e_s"] - a["baseline_s"])) < 0.002 for a in affected)
     assert report["leaked_blocks"] and not any(report["leaked_blocks"].values())
     assert "PASS" in result.stdout
     assert not leftovers
