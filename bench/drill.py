@@ -177,8 +177,11 @@ async def strike(admin: Admin, role: str, sig: int, start: float) -> KillEvent:
 
 
 def held(worker: dict) -> int:
-    """Requests a worker holds something for: a sequence, or an export's lease."""
-    return len(worker.get("requests") or {}) + len(worker.get("leases") or [])
+    """Requests a worker's death would touch: its sequences, and (prefill workers) the
+    exports no decode worker has pulled yet. An export already pulled stays leased until
+    its request ends, but losing it costs that request nothing."""
+    exports = worker.get("awaiting_pull", worker.get("leases"))
+    return len(worker.get("requests") or {}) + len(exports or [])
 
 
 def choose_victim(workers: list[dict], role: str) -> dict | None:

@@ -181,6 +181,10 @@ class KVSender(ABC):
         """Called by the worker's `debug_state`: requests whose blocks are pinned now."""
         raise NotImplementedError
 
+    def unpulled_request_ids(self) -> list[str]:
+        """Called by the worker's `debug_state`: pinned requests no receiver has pulled."""
+        return self.leased_request_ids()
+
     def close(self) -> None:
         """Called once at worker shutdown."""
 

@@ -40,6 +40,9 @@ class ExportRecord:
     checksums: list[int]
     state: TransferState
     lease_expires_at: float
+    served: bool = False
+    """A transfer of its bytes completed (the blocks stay pinned until ack, so that a
+    receiver that dies can pull them again)."""
 
 
 class ExportRegistry:
@@ -136,6 +139,8 @@ class ExportRegistry:
             else:
                 bump(self._stats.failures, failure.value)
             record = self._records.get(request_id)
+            if record is not None and failure is None:
+                record.served = True
             if record is not None and record.state == TransferState.TRANSFERRING:
                 record.state = TransferState.PENDING
 
@@ -143,6 +148,12 @@ class ExportRegistry:
         """Requests whose blocks are pinned right now (leak checks, `/admin/workers`)."""
         with self._lock:
             return list(self._records)
+
+    def unserved_request_ids(self) -> list[str]:
+        """Pinned requests whose bytes no receiver has pulled yet: what a sender's death
+        costs (drills pick a victim by these, not by every lease)."""
+        with self._lock:
+            return [rid for rid, record in self._records.items() if not record.served]
 
     def get(self, request_id: str) -> ExportRecord | None:
         with self._lock:

@@ -102,6 +102,9 @@ class RegistrySender(KVSender):
     def leased_request_ids(self) -> list[str]:
         return self.registry.request_ids()
 
+    def unpulled_request_ids(self) -> list[str]:
+        return self.registry.unserved_request_ids()
+
     def close(self) -> None:
         for server in self.servers:
             server.close()

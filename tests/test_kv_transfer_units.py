@@ -51,6 +51,19 @@ def test_ack_releases_blocks_exactly_once():
     registry.close()
 
 
+def test_an_export_counts_as_pulled_only_after_a_transfer_succeeded():
+    registry = ExportRegistry("p0", lease_ttl_s=10)
+    for rid in ("pulled", "failed", "waiting"):
+        registry.add(rid, [len(rid)], 8, "d0", [0])
+    registry.begin_transfer("pulled")
+    registry.begin_transfer("failed")
+    registry.end_transfer("pulled", 100)
+    registry.end_transfer("failed", 0, FailureReason.CHECKSUM)
+    assert sorted(registry.unserved_request_ids()) == ["failed", "waiting"]
+    assert sorted(registry.request_ids()) == ["failed", "pulled", "waiting"]  # all pinned
+    registry.close()
+
+
 def test_lease_expires_without_ack_and_heartbeats_keep_it():
     registry = ExportRegistry("p0", lease_ttl_s=0.2, reap_interval_s=0.02)
     registry.add("kept", [1], 8, "d0", [0])
