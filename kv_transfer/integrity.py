@@ -114,6 +114,13 @@ class BlockVerifier:
         self._partial: dict[int, object] = {}
         """Running sums of blocks `copy_piece` has copied only the head of."""
 
+    def restart(self) -> None:
+        """Forget what was verified: the transport copies every piece again."""
+        self.done = 0
+        self.checked = [False] * len(self.dst)
+        self.bad = []
+        self._partial = {}
+
     def landed(self, end: int) -> None:
         """Bytes [0, end) of the stream are in place: verify the blocks now whole."""
         whole = min(end // self.block_nbytes, len(self.dst))

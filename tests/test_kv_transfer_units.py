@@ -215,6 +215,34 @@ def _export(transport: str, options: TransportOptions, pool=None):
     return sender, sender.export("r", [1, 2, 3], 24, "decode-0")
 
 
+def test_shm_maps_one_pool_file_per_sender_and_drops_a_restarted_senders_old_one(tmp_path):
+    """A restarted sender exports from a new file; the receiver's mapping of the old one
+    (all that kept a dead pool's pages allocated once its file was removed) goes."""
+    import gc
+    import weakref
+
+    first, ticket = _export("shm", OPTIONS)
+    receiver = make_receiver("shm", "decode-0", random_pool(seed=7), OPTIONS)
+    try:
+        assert receiver.fetch(ticket, [4, 5, 6], timeout_s=5).ok
+        old_mapping = weakref.ref(receiver._maps["prefill-0"][1])
+        # The restarted worker: same id, its pool in a file of its own.
+        path = ticket.sender_endpoint["shm"]["path"]
+        restarted = str(tmp_path / "pdserve-kv-prefill_0-restarted.kv")
+        with open(path, "rb") as src, open(restarted, "wb") as dst:
+            dst.write(src.read())
+        endpoint = {"shm": {**ticket.sender_endpoint["shm"], "path": restarted}}
+        again = replace(ticket, sender_endpoint=endpoint)
+        receiver._mapped(again)
+        gc.collect()
+        assert list(receiver._maps) == ["prefill-0"]
+        assert receiver._maps["prefill-0"][0] == restarted
+        assert old_mapping() is None
+    finally:
+        receiver.close()
+        first.close()
+
+
 def test_layout_mismatch_is_refused_before_any_byte_moves():
     sender, ticket = _export("local", OPTIONS)
     other = replace(LAYOUT, head_dim=8)

@@ -14,8 +14,12 @@ a control server. Per transfer the receiver:
        transfer, its round trip hidden behind the copy.
 
 Checksums catch any block the sender reused under us (a refused `begin` wins over
-them: the fetch fails UNKNOWN_REQUEST). A sender that dies after its `begin` left
-bytes that verify: the fetch stands. Faults: drop/stall/kill strike in the sender's
+them: the fetch fails UNKNOWN_REQUEST). A dead sender's export is not lost: its pool
+file outlives it in the receiver's mapping (and in /dev/shm until a restarted worker
+on the node clears it), nothing writes those blocks any more, so the receiver copies
+them without a `begin` and the checksums decide; a fetch fails PEER_DIED only when the
+file is gone too. Each sender generation's file is mapped once and unmapped when the
+sender is seen restarted (a new file). Faults: drop/stall/kill strike in the sender's
 `begin` handler; corrupt strikes in the receiver's copy (the sender never touches
 these bytes).
 """
@@ -78,12 +82,27 @@ def _pid_alive(pid: int) -> bool:
 def remove_stale_files(shm_dir: str) -> None:
     """Delete pool files of senders that died without closing (name ends in their pid)."""
     for path in glob.glob(os.path.join(shm_dir, f"{FILE_PREFIX}*.kv")):
-        try:
-            pid = int(path.rsplit("-", 1)[1].removesuffix(".kv"))
-        except ValueError:
-            continue
-        if not _pid_alive(pid):
+        pid = _file_pid(path)
+        if pid > 0 and not _pid_alive(pid):
             _unlink_quietly(path)
+
+
+def _sender_gone(ticket: ExportTicket) -> bool:
+    """Whether the process that wrote the ticket's pool file has exited (same node)."""
+    pid = _file_pid(ticket.sender_endpoint["shm"]["path"])
+    return pid > 0 and not _pid_alive(pid)
+
+
+def _file_pid(path: str) -> int:
+    """The pid a pool file's name ends in (`...-<pid>.kv`); -1 when it has none."""
+    try:
+        return int(path.rsplit("-", 1)[1].removesuffix(".kv"))
+    except (IndexError, ValueError):
+        return -1
+
+
+def _ids(ticket: ExportTicket) -> tuple[str, str]:
+    return ticket.request_id, ticket.sender_id
 
 
 def copy_lanes(options: TransportOptions) -> int:
@@ -168,7 +187,8 @@ class ShmReceiver(TransportReceiver):
 
     def __init__(self, worker_id: str, pool: KVCachePool, options: TransportOptions):
         super().__init__("shm", worker_id, pool, options)
-        self._maps: dict[str, tuple[mmap.mmap, np.ndarray]] = {}
+        self._maps: dict[str, tuple[str, mmap.mmap, np.ndarray]] = {}
+        """sender id -> (pool file, its mapping, the mapping's bytes)."""
         self._idle: dict[tuple[str, int], list[ControlConnection]] = {}
         self._idle_lock = threading.Lock()
         self.copy_lanes = copy_lanes(options)
@@ -179,11 +199,14 @@ class ShmReceiver(TransportReceiver):
         )
 
     def _mapped(self, ticket: ExportTicket) -> np.ndarray:
+        """The sender's pool bytes, mapped once per sender generation: a restarted sender
+        has a new file, and the old mapping is dropped (it alone kept the dead pool's
+        pages allocated in /dev/shm after the file was removed)."""
         info = ticket.sender_endpoint["shm"]
         path, nbytes = info["path"], int(info["nbytes"])
-        cached = self._maps.get(path)
-        if cached is not None:
-            return cached[1]
+        cached = self._maps.get(ticket.sender_id)
+        if cached is not None and cached[0] == path:
+            return cached[2]
         try:
             # Open without O_CREAT: a vanished file must fail, not be recreated empty.
             fd = os.open(path, os.O_RDWR)
@@ -196,7 +219,8 @@ class ShmReceiver(TransportReceiver):
         finally:
             os.close(fd)
         flat = np.frombuffer(region, dtype=np.uint8)
-        self._maps[path] = (region, flat)
+        # Unmapped when the last copy still reading it lets go of its view.
+        self._maps[ticket.sender_id] = (path, region, flat)
         return flat
 
     @staticmethod
@@ -265,6 +289,21 @@ class ShmReceiver(TransportReceiver):
         if ticket.sender_endpoint.get("shm") is None:
             raise fail(ticket, FailureReason.INTERNAL, "sender does not serve shm")
         src = self._mapped(ticket)
+        try:
+            self._pull_granted(ticket, src, dst_block_ids, deadline, verifier)
+        except KVTransferError as exc:
+            if exc.reason != FailureReason.PEER_DIED or not _sender_gone(ticket):
+                raise
+            # The sender died after its export, but its pool file outlives it in our
+            # mapping and nothing writes those blocks any more: copy them again from the
+            # start, and let the checksums say whether they are still the export's.
+            logger.info("[request %s] %s died; copying from its pool file", *_ids(ticket))
+            verifier.restart()
+            self._copy(None, ticket, src, dst_block_ids, deadline, verifier, lambda: None)
+        return "shm"
+
+    def _pull_granted(self, ticket, src: np.ndarray, dst_block_ids, deadline, verifier) -> None:
+        """`begin`, then the copy (overlapping the reply on an accepted connection)."""
         conn = self._checkout(ticket, deadline)
         try:
             # On a connection the sender already accepted (token checked), the `begin`
@@ -290,7 +329,6 @@ class ShmReceiver(TransportReceiver):
             raise
         conn.accepted = True
         self._checkin(ticket, conn)
-        return "shm"
 
     def _copy(
         self, conn, ticket, src: np.ndarray, dst_block_ids, deadline: float, verifier, confirm
@@ -308,7 +346,8 @@ class ShmReceiver(TransportReceiver):
             after_fraction=self.options.faults.after_fraction,
         )
         faults = FaultPlan(corrupt_only, total_bytes(pieces), ticket.request_id)
-        beat_every = ticket.lease_ttl_s / 3
+        # No connection: the sender is gone, and so is the lease a heartbeat would extend.
+        beat_every = ticket.lease_ttl_s / 3 if conn is not None else float("inf")
         last_beat = time.monotonic()
 
         def beat() -> None:
@@ -340,8 +379,8 @@ class ShmReceiver(TransportReceiver):
                 verifier.copy_piece,
                 self._copier,
                 self.copy_lanes,
-                tick=beat,
-                tick_s=beat_every,
+                tick=beat if conn is not None else None,
+                tick_s=beat_every if conn is not None else 1.0,
             )
         shaper.finish()
 
