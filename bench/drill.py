@@ -178,9 +178,10 @@ async def strike(admin: Admin, role: str, sig: int, start: float) -> KillEvent:
 
 def held(worker: dict) -> int:
     """Requests a worker's death would touch: its sequences, and (prefill workers) the
-    exports no decode worker has pulled yet. An export already pulled stays leased until
-    its request ends, but losing it costs that request nothing."""
-    exports = worker.get("awaiting_pull", worker.get("leases"))
+    exports it would lose: not pulled yet, and not in a pool file that outlives it (shm).
+    An export already pulled stays leased until its request ends, but losing it costs
+    that request nothing."""
+    exports = worker.get("exports_at_risk", worker.get("leases"))
     return len(worker.get("requests") or {}) + len(exports or [])
 
 

@@ -181,8 +181,9 @@ class KVSender(ABC):
         """Called by the worker's `debug_state`: requests whose blocks are pinned now."""
         raise NotImplementedError
 
-    def unpulled_request_ids(self) -> list[str]:
-        """Called by the worker's `debug_state`: pinned requests no receiver has pulled."""
+    def at_risk_request_ids(self) -> list[str]:
+        """Called by the worker's `debug_state`: pinned requests whose bytes this process's
+        death would lose (no receiver pulled them, and they live only in its memory)."""
         return self.leased_request_ids()
 
     def close(self) -> None:

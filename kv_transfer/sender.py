@@ -102,7 +102,9 @@ class RegistrySender(KVSender):
     def leased_request_ids(self) -> list[str]:
         return self.registry.request_ids()
 
-    def unpulled_request_ids(self) -> list[str]:
+    def at_risk_request_ids(self) -> list[str]:
+        if any(getattr(server, "exports_outlive_process", False) for server in self.servers):
+            return []  # shm: the pool file outlives us, a same-node receiver still pulls
         return self.registry.unserved_request_ids()
 
     def close(self) -> None:

@@ -179,15 +179,15 @@ class PrefillWorker(EngineActor):
 
     async def debug_state(self) -> dict:
         """Leak checks in tests and drills: blocks in use, leases outstanding (and those
-        whose bytes no decode worker pulled yet), and each request's state (read on the
-        engine thread, which owns them)."""
+        whose bytes this worker's death would lose), and each request's state (read on
+        the engine thread, which owns them)."""
         state = await self._engine_loop().call(engine_state)
         leases = self.sender.leased_request_ids()
         return {
             **state,
             "outstanding_leases": len(leases),
             "leases": leases,
-            "awaiting_pull": self.sender.unpulled_request_ids(),
+            "exports_at_risk": self.sender.at_risk_request_ids(),
         }
 
     async def endpoint(self) -> dict:

@@ -4,6 +4,7 @@ shaping, options, refusals (layout, token, unknown request)."""
 from __future__ import annotations
 
 import itertools
+import os
 import subprocess
 import sys
 import time
@@ -213,6 +214,20 @@ def _export(transport: str, options: TransportOptions, pool=None):
     pool = pool or random_pool()
     sender = make_sender(transport, "prefill-0", pool, options)
     return sender, sender.export("r", [1, 2, 3], 24, "decode-0")
+
+
+def test_a_killed_sender_not_yet_reaped_counts_as_dead():
+    """A SIGKILLed worker is a zombie until its parent reaps it; shm's dead-sender check
+    must not take it for alive (the export would be recomputed for nothing)."""
+    from kv_transfer.transports.shm import _pid_alive
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 10
+    while _pid_alive(child.pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not _pid_alive(child.pid)
+    assert child.poll() == 0  # it was a zombie until now: reaped only here
+    assert _pid_alive(os.getpid())
 
 
 def test_shm_maps_one_pool_file_per_sender_and_drops_a_restarted_senders_old_one(tmp_path):

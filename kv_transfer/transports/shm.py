@@ -70,13 +70,18 @@ PIECE_BYTES = 1 << 20
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether `pid` runs; a zombie (killed, not yet reaped by its parent) does not."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def remove_stale_files(shm_dir: str) -> None:
@@ -116,7 +121,10 @@ def _unlink_quietly(path: str) -> None:
 
 
 class ShmServer:
-    """Sender half: owns the pool file and answers begin / heartbeat / end."""
+    """Sender half: owns the pool file and answers begin / heartbeat."""
+
+    exports_outlive_process = True
+    """The pool file stays readable after this process dies (see the module docstring)."""
 
     def __init__(self, sender: RegistrySender):
         self.sender = sender
