@@ -16,14 +16,44 @@ def add_bench_parser(sub) -> None:
         "generate and continuous batching, prefill included), prefill tokens/s, and each "
         "decode step against the roofline of read bandwidth measured in the same run.",
     )
-    engine.add_argument("--model", default="demo")
-    engine.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     engine.add_argument(
-        "--batch-sizes", default="1,4,16,64", help="comma-separated decode batch sizes"
+        "--model",
+        default="demo",
+        help="a local HF model directory, or `demo` (SmolLM2-135M-Instruct, converted once "
+        "from its GGUF package) (default: %(default)s)",
     )
-    engine.add_argument("--prompt-len", type=int, default=256)
-    engine.add_argument("--decode-steps", type=int, default=32)
-    engine.add_argument("--threads", type=int, default=None)
+    engine.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="auto: float32 on CPUs (exact against transformers; bfloat16 is faster on "
+        "AMX CPUs, say so explicitly), bfloat16 on GPUs",
+    )
+    engine.add_argument(
+        "--batch-sizes",
+        default="1,4,16,64",
+        help="comma-separated decode batch sizes (default: %(default)s)",
+    )
+    engine.add_argument(
+        "--prompt-len",
+        type=int,
+        default=256,
+        help="tokens prefilled per sequence before its decode steps are timed, and per "
+        "prompt of the prefill figure (default: %(default)s)",
+    )
+    engine.add_argument(
+        "--decode-steps",
+        type=int,
+        default=32,
+        help="decode steps timed per run (the step figure is their median) and new tokens "
+        "of the end-to-end runs (default: %(default)s)",
+    )
+    engine.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads of the engine (default: torch's own default, every core)",
+    )
     engine.add_argument(
         "--kernels",
         default="auto",
