@@ -5,18 +5,20 @@ A soak's life: an open-loop load at `--rate` requests/s (capped at `--concurrenc
 flight) cycles through the drill's prompts for D seconds while the kill schedule
 strikes; every 2 s the resident memory of the frontend and of every routed worker
 process (a spare from its promotion on) is sampled (every fifth sample goes into the
-JSON report). A process's RSS is judged without its shared memory (`RssShmem`): that is
-the KV pool (a shared mapping, in /dev/shm when the shm transport exports from it) and
-Ray's object store, both sized at start; the kernel fills them in on first touch, and
-with prefix caching new blocks keep coming from untouched pages until the pool has been
-used once over, which at a soak's rate takes longer than the soak. A leak shows in the
-private part (`RssAnon + RssFile`). At the end (besides the drill's own verdict):
+JSON report). A process's RSS is judged without its KV pool and its shared memory:
+the pool is sized at start and filled in by the kernel on first touch, and with prefix
+caching new blocks keep coming from untouched pages until the pool has been used once
+over, which at a soak's rate takes longer than the soak. The pool's resident bytes
+come from the worker (`mincore`, in `/admin/workers`) when it is private memory, and
+from `RssShmem` (with Ray's object store) when it lives in /dev/shm for the shm
+transport. A leak shows in what is left (`RssAnon + RssFile` less the private pool).
+At the end (besides the drill's own verdict):
   * throughput: output tokens per window; the level before the first kill is the
     baseline, and after each kill a window must reach 80% of it before the next kill;
-  * memory: no process's private RSS may grow by more than max(64 MiB, 10%) from the
-    end of its warm-up (`_RSS_WARMUP_S`, a quarter of shorter soaks) to its last sample
+  * memory: no process's RSS (less its KV pool and shared memory) may grow by more
+    than max(64 MiB, 10%) from the end of its warm-up (`_RSS_WARMUP_S`, a quarter of shorter soaks) to its last sample
     (workers restart, so each process is judged on its own life, if sampled for twice
-    the warm-up); the shared part is reported beside it;
+    the warm-up); the pool and shared part is reported beside it;
   * a PNG of throughput and TTFT over time with every kill marked.
 """
 
@@ -100,12 +102,14 @@ async def _sample_rss(admin, rss: dict, start: float) -> None:
         body = await admin.get("/admin/workers")
         # A spare is judged from its promotion on: its first requests are its warm-up.
         routed = [w for w in body["workers"] if w.get("alive") and not w.get("standby")]
-        pids = [w.get("pid") for w in routed]
-        pids.append(body.get("frontend_pid"))
-        for pid in filter(None, pids):
+        pools = {w.get("pid"): w.get("kv_pool_private_resident_bytes", 0) for w in routed}
+        pools[body.get("frontend_pid")] = 0
+        for pid, pool in pools.items():
             # A process that just died, or lives on another node, is skipped.
-            if (sample := resident_memory(pid)) is not None:
-                rss.setdefault(pid, []).append((time.perf_counter() - start, *sample))
+            if pid and (sample := resident_memory(pid)) is not None:
+                private, shared = sample
+                at = time.perf_counter() - start
+                rss.setdefault(pid, []).append((at, private - pool, shared + pool))
         await asyncio.sleep(_RSS_EVERY_S)
 
 
@@ -156,7 +160,8 @@ def _throughput_back(throughput: list[float], window: float, kills, every: float
 
 
 def _rss_growth(rss: dict[int, list[tuple[float, int, int]]], warmup_s: float) -> dict:
-    """Judge each process's private RSS from the end of its warm-up to its last sample."""
+    """Judge each process's RSS less its KV pool and shared memory (the samples' middle
+    value) from the end of its warm-up to its last sample."""
     worst, worst_pid, warmup_worst, judged = 0, None, 0, 0
     flat = True
     for pid, samples in rss.items():

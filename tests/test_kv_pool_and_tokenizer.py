@@ -36,6 +36,22 @@ def test_out_of_blocks_error_names_the_request():
         BlockAllocator(1).allocate(2, request_id="req-9")
 
 
+def test_a_cpu_pool_is_zero_and_fills_in_on_first_touch(tmp_path):
+    """The pool reads as zeros, takes RAM only where written (what soaks subtract from
+    a worker's RSS), and a pool moved into a shared file counts as none of it."""
+    from engine.kv_cache import KVCachePool, KVLayout
+
+    layout = KVLayout("t", "float32", num_layers=4, num_kv_heads=4, head_dim=64, block_size=16)
+    pool = KVCachePool(layout, 256)  # 256 blocks of 128 KiB: 32 MiB
+    assert pool.private_resident_bytes() < 4 << 20
+    pool.kv[:64].fill_(1.0)  # 8 MiB written
+    resident = pool.private_resident_bytes()
+    assert 8 << 20 <= resident <= 14 << 20  # plus at most the huge pages either side
+    assert not pool.kv[64::17].any()  # (read after: reads map the zero page, also counted)
+    pool.move_to_shared_memory(str(tmp_path / "pool.kv"), keep_contents=True)
+    assert pool.private_resident_bytes() == 0 and float(pool.kv[63].sum()) == 128 * 256
+
+
 def test_read_and_write_blocks_move_a_request_between_pools(tiny_llama_dir):
     """Export a prefilled request's blocks from one engine, import into another, decode on."""
     source, target = make_engine(tiny_llama_dir), make_engine(tiny_llama_dir, num_kv_blocks=64)
