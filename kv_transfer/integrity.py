@@ -75,13 +75,13 @@ def block_checksums(kv: torch.Tensor, block_ids: list[int], algo: str) -> list[i
 
 
 class BlockVerifier:
-    """Checks one fetch's destination blocks against the ticket, in stream order.
+    """Checks one fetch's destination blocks against the ticket.
 
-    The receiver makes one per fetch; the transport calls `landed(end)` once the
-    request's byte stream is complete up to `end` (blocks are verified as soon as they
-    are whole), or `verify_piece` per piece when pieces land out of order, or has it
-    copy each piece (`copy_piece`, CPU pools), and the receiver calls `finish()` after
-    the transport returns.
+    The receiver makes one per fetch. A transport that receives into our blocks itself
+    (collective, device pools) calls `landed(end)` once the request's byte stream is
+    complete up to `end` (blocks are verified as soon as they are whole); one that
+    copies on the CPU has it copy each piece (`copy_piece`), in any order for pieces
+    of whole blocks. The receiver calls `finish()` after the transport returns.
     """
 
     def __init__(
@@ -126,12 +126,6 @@ class BlockVerifier:
         whole = min(end // self.block_nbytes, len(self.dst))
         self.verify_blocks(self.done, whole)
         self.done = max(self.done, whole)
-
-    def verify_piece(self, offset: int, nbytes: int) -> None:
-        """Verify the blocks wholly inside stream bytes [offset, offset + nbytes), in any
-        order; copy threads call this on disjoint pieces right after copying them."""
-        first = -(-offset // self.block_nbytes)
-        self.verify_blocks(first, min((offset + nbytes) // self.block_nbytes, len(self.dst)))
 
     def copy_piece(self, src: np.ndarray, dst: np.ndarray, offset: int, corrupt: bool) -> None:
         """Copy one piece of the stream (`src` -> `dst`, uint8 views, `dst` in our pool,

@@ -121,6 +121,33 @@ def test_sender_killed_mid_transfer(transport):
         survivor.close()
 
 
+def test_an_shm_export_waiting_for_blocks_outlives_its_dead_sender():
+    """An import still waiting for decode blocks when its prefill worker dies keeps its
+    export over shm (the receiver maps the dead pool file): keepalive says so and the
+    later fetch moves the exact bytes, verified."""
+    decode, key = DecodeSide(), "shm-outlived"
+    doomed = Peer()
+    receiver = make_receiver("shm", f"decode-{key}", decode.pool, BASE)
+    dst = decode.allocator.allocate(NUM_BLOCKS, "first")
+    try:
+        doomed.call("open_sender", key, "shm", BASE)
+        first, _ = doomed.call("export_random", key, f"{key}-first", NUM_BLOCKS)
+        assert receiver.fetch(ExportTicket.from_dict(first), dst, TIMEOUT_S).ok  # maps the file
+        waiting, sent = doomed.call("export_random", key, f"{key}-waiting", NUM_BLOCKS)
+        doomed.process.kill()
+        doomed.process.join(5)
+        ticket = ExportTicket.from_dict(waiting)
+        assert receiver.keepalive(ticket, timeout_s=2.0)
+        result = receiver.fetch(ticket, dst, TIMEOUT_S)
+        assert result.ok, result
+        assert decode.pool.read_blocks(dst).numpy().tobytes() == sent
+    finally:
+        receiver.close()
+        doomed.close()
+        decode.allocator.free(dst)
+    decode.allocator.assert_all_free()
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_lease_expires_without_ack_and_keepalive_holds_it(shared_peer, transport):
     decode, key = DecodeSide(), f"{transport}-lease"

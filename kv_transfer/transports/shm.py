@@ -3,7 +3,7 @@
 At start the sender re-homes its pool in a file under `shm_dir` (/dev/shm) and starts
 a control server. Per transfer the receiver:
 
-    1. maps the sender's pool file (once per sender, kept),
+    1. maps the sender's pool file (once per sender generation, kept),
     2. sends `begin` on a kept control connection without waiting: the sender
        extends the lease and counts the transfer served (granting access is all of
        its part), or says the export is gone,
@@ -104,10 +104,6 @@ def _file_pid(path: str) -> int:
         return int(path.rsplit("-", 1)[1].removesuffix(".kv"))
     except (IndexError, ValueError):
         return -1
-
-
-def _ids(ticket: ExportTicket) -> tuple[str, str]:
-    return ticket.request_id, ticket.sender_id
 
 
 def copy_lanes(options: TransportOptions) -> int:
@@ -305,7 +301,11 @@ class ShmReceiver(TransportReceiver):
             # The sender died after its export, but its pool file outlives it in our
             # mapping and nothing writes those blocks any more: copy them again from the
             # start, and let the checksums say whether they are still the export's.
-            logger.info("[request %s] %s died; copying from its pool file", *_ids(ticket))
+            logger.info(
+                "[request %s] %s died; copying from its pool file",
+                ticket.request_id,
+                ticket.sender_id,
+            )
             verifier.restart()
             self._copy(None, ticket, src, dst_block_ids, deadline, verifier, lambda: None)
         return "shm"
@@ -397,18 +397,26 @@ class ShmReceiver(TransportReceiver):
         try:
             conn = self._checkout(ticket, deadline)
         except KVTransferError:
-            return False
+            return self._outlived(ticket)
         try:
             reply = conn.call({"op": "heartbeat", "request_id": ticket.request_id}, timeout_s)
         except (ChannelClosed, OSError):
             conn.close()
-            return False
+            return self._outlived(ticket)
         if reply.get("reason") == "unauthorized":  # the sender closed this connection
             conn.close()
             return False
         conn.accepted = True
         self._checkin(ticket, conn)
         return bool(reply.get("ok"))
+
+    def _outlived(self, ticket: ExportTicket) -> bool:
+        """A dead sender's export is still there when we hold a mapping of its pool file
+        (the file may be gone: the mapping keeps the pages), so an import waiting for
+        blocks need not give up on it; a later fetch copies it and verifies."""
+        cached = self._maps.get(ticket.sender_id)
+        path = ticket.sender_endpoint["shm"]["path"]
+        return cached is not None and cached[0] == path and _sender_gone(ticket)
 
     def close(self) -> None:
         with self._idle_lock:
