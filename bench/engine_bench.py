@@ -15,8 +15,9 @@ two timed runs, each run judged at the better of the two probes around it: the s
 of this shared machine moves by a third within minutes, so a bound probed once per
 batch size could come from another minute than the step): the weights alone (bytes
 streamed per step / read bandwidth: the batch-1 target, the median of the per-run
-ratios) and the lower bound with the KV cache read too. Prefill is tokens/s of 8 prompts in one batch. Every
-figure is a median of `--repeats` runs; the CPU and the load average are printed.
+ratios) and the lower bound with the KV cache read too. Prefill is tokens/s of 8
+prompts in one batch. Every figure is a median of `--repeats` runs; the CPU and the
+load average are printed.
 """
 
 from __future__ import annotations

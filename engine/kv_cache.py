@@ -84,6 +84,11 @@ def _zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(pages, dtype=dtype, count=numel).view(shape)
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
 def resident_bytes(tensor: torch.Tensor) -> int | None:
     """Bytes of a CPU tensor's storage that are in RAM now (`mincore`; None where that
     call is missing). Soaks tell a pool filling in on first touch from a leak by it."""
@@ -92,9 +97,8 @@ def resident_bytes(tensor: torch.Tensor) -> int | None:
     start = tensor.data_ptr() - tensor.data_ptr() % page
     count = -(-(tensor.data_ptr() + nbytes - start) // page)
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
         vector = (ctypes.c_ubyte * count)()
-        failed = libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(count * page), vector)
+        failed = _libc().mincore(ctypes.c_void_p(start), ctypes.c_size_t(count * page), vector)
     except (OSError, AttributeError):
         return None
     if failed:

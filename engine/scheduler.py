@@ -173,12 +173,7 @@ class Scheduler:
         published blocks stay in the prefix cache, where it finds them again)."""
         seq = max(self.ready, key=_line)
         self.ready.remove(seq)
-        self.release(seq)
-        seq.num_computed_tokens = 0
-        seq.num_published = 0
-        seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
-        self.num_preemptions += 1
+        self._recompute_later(seq)
 
     def _seat(self, queue: deque[Sequence], budget: int, chunks: list[ScheduledChunk]) -> int:
         """Move sequences from the head of `queue` into the batch while seats, budget and
@@ -241,6 +236,11 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks; it will recompute prompt + outputs later."""
         self.running.remove(seq)
+        self._recompute_later(seq)
+
+    def _recompute_later(self, seq: Sequence) -> None:
+        """A sequence just taken out of its queue gives its blocks back and waits, first
+        in line, to recompute its prompt and outputs (a preemption)."""
         self.release(seq)
         seq.num_computed_tokens = 0
         seq.num_published = 0

@@ -133,8 +133,9 @@ def copy_pieces_parallel(
     Each lane runs `check()` before each piece (raises to stop: cancellation, deadline),
     then `land(src, dst, offset, corrupt)` with the piece's uint8 views, which copies it
     and verifies it (`BlockVerifier.copy_piece`; `corrupt` when the piece's index is in
-    `corrupt`, receiver-side fault injection). The calling thread waits, calling `tick()` every `tick_s` (lease
-    heartbeats of a long transfer). A failing lane stops the others at their next piece.
+    `corrupt`, receiver-side fault injection). The calling thread waits, calling
+    `tick()` every `tick_s` (lease heartbeats of a long transfer). A failing lane stops
+    the others at their next piece.
     Returns (or raises) only once no copy is running, so a caller that frees the
     destination blocks on failure never races a copy into them.
     """

@@ -4,10 +4,11 @@ The sender checksums each exported block once in `export()` and puts the list in
 ticket; the receiver recomputes them over the blocks it wrote before it reports DONE.
 Transports feed a `BlockVerifier` as bytes land (`landed`), so each block is summed
 while it is still in cache (and, for collective, while the next piece is in flight);
-`finish` sums whatever was not fed. Copying transports (shm, local) let it do the copy
-(`copy_piece`): each block is copied and summed in L2-sized steps, every step summed
-right behind its copy, so the sum reads the bytes from L2 instead of memory. Any mismatch fails the whole transfer with
-CHECKSUM and names the blocks (the caller frees its destination blocks, as for any failure).
+`finish` sums whatever was not fed. Copying transports (shm, local, gRPC on CPU pools)
+let it do the copy (`copy_piece`): each block is copied and summed in L2-sized steps,
+every step summed right behind its copy, so the sum reads the bytes from L2 instead of
+memory. Any mismatch fails the whole transfer with CHECKSUM and names the blocks (the
+caller frees its destination blocks, as for any failure).
 
 Two algorithms, named in the ticket so both ends agree:
 - `xxh3_64` (default): XXH3 from the `xxhash` library, 64 bits over the block's bytes.
@@ -26,6 +27,7 @@ import torch
 import xxhash
 
 from kv_transfer.base import ExportTicket, FailureReason, KVTransferError
+from kv_transfer.blockio import flat_bytes
 
 
 def block_bytes(block: torch.Tensor) -> np.ndarray:
@@ -103,7 +105,7 @@ class BlockVerifier:
         # block costs as much as summing a small block).
         # `flat`: that view made once by the caller (it costs as much as a small fetch).
         if flat is None and kv.device.type == "cpu":
-            flat = kv.view(-1).view(torch.uint8).numpy()
+            flat = flat_bytes(kv).numpy()
         self.flat = flat
         self.dst = dst_block_ids
         self.ticket = ticket

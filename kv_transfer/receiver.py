@@ -27,6 +27,7 @@ from kv_transfer.base import (
     TransferState,
     check_layout,
 )
+from kv_transfer.blockio import flat_bytes
 from kv_transfer.config import TransportOptions
 from kv_transfer.integrity import BlockVerifier
 from kv_transfer.stats import ReceiverStats, bump
@@ -124,7 +125,7 @@ class TransportReceiver(KVReceiver):
         """Our CPU pool as one uint8 numpy array (None on a device), made once per storage."""
         kv = self.pool.kv
         if self._bytes_of is not kv:
-            self._bytes = kv.view(-1).view(torch.uint8).numpy() if kv.device.type == "cpu" else None
+            self._bytes = flat_bytes(kv).numpy() if kv.device.type == "cpu" else None
             self._bytes_of = kv
         return self._bytes
 

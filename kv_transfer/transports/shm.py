@@ -87,14 +87,17 @@ def _pid_alive(pid: int) -> bool:
 def remove_stale_files(shm_dir: str) -> None:
     """Delete pool files of senders that died without closing (name ends in their pid)."""
     for path in glob.glob(os.path.join(shm_dir, f"{FILE_PREFIX}*.kv")):
-        pid = _file_pid(path)
-        if pid > 0 and not _pid_alive(pid):
+        if _writer_gone(path):
             _unlink_quietly(path)
 
 
 def _sender_gone(ticket: ExportTicket) -> bool:
-    """Whether the process that wrote the ticket's pool file has exited (same node)."""
-    pid = _file_pid(ticket.sender_endpoint["shm"]["path"])
+    return _writer_gone(ticket.sender_endpoint["shm"]["path"])
+
+
+def _writer_gone(path: str) -> bool:
+    """Whether the process that wrote a pool file (its pid ends the name) has exited."""
+    pid = _file_pid(path)
     return pid > 0 and not _pid_alive(pid)
 
 
