@@ -56,6 +56,7 @@ class PDCluster:
         self.config = config
         model_dir, self.model_id = resolve_model(config.model)
         self.tokenizer = Tokenizer(model_dir)
+        self.tokenizer.prepare_chat_template()
         spec = load_model_spec(model_dir, self.model_id)
         context = spec.context_window
         self.max_model_len = min(config.max_model_len or context, context)

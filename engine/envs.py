@@ -28,6 +28,20 @@ def kernel_cache_dir() -> Path:
     return Path(os.environ.get("PDSERVE_KERNEL_CACHE", default)).expanduser()
 
 
+def tokenizer_cache_dir() -> Path:
+    """PDSERVE_TOKENIZER_CACHE: each model's effective Rust tokenizer, so workers start
+    without importing transformers (default ~/.cache/pdserve/tokenizers)."""
+    default = Path.home() / ".cache" / "pdserve" / "tokenizers"
+    return Path(os.environ.get("PDSERVE_TOKENIZER_CACHE", default)).expanduser()
+
+
+def weight_cache_dir() -> Path:
+    """PDSERVE_WEIGHT_CACHE: weights prepared for the kernels (stacked, packed), mapped
+    by every worker that loads the same model (default ~/.cache/pdserve/weights)."""
+    default = Path.home() / ".cache" / "pdserve" / "weights"
+    return Path(os.environ.get("PDSERVE_WEIGHT_CACHE", default)).expanduser()
+
+
 def step_delay_s() -> float:
     """PDSERVE_STEP_DELAY_S: tests and drills only: every engine step first sleeps this
     long, a stand-in for a slower device, so request phases last long enough to act

@@ -57,6 +57,8 @@ class TorchOps:
     stream is float32 (see engine/model.py); matmuls run in the weights' dtype."""
 
     name = "torch"
+    prepared_layout = "torch"
+    """Names how `prepare_linear` lays weights out (the prepared-weight cache's key)."""
 
     def __init__(self, eps: float):
         self.eps = eps

@@ -36,7 +36,8 @@ from engine.layer_ops import RESIDUAL_DTYPE, HeadSizes, KernelChoice, make_layer
 from engine.model_spec import ModelSpec
 from engine.rope import RotaryEmbedding
 from engine.threads import ThreadChoice
-from engine.weights import LayerWeights, load_weights
+from engine.weight_cache import load_prepared_weights
+from engine.weights import LayerWeights
 
 __all__ = ["RESIDUAL_DTYPE", "LlamaForward"]
 
@@ -58,8 +59,7 @@ class LlamaForward:
         self.dtype = dtype
         self.device = device
         self.ops = make_layer_ops(kernels, dtype, device, spec.rms_norm_eps)
-        self.weights = load_weights(model_dir, spec, dtype, device)
-        self.weights.prepare(self.ops.prepare_linear)
+        self.weights = load_prepared_weights(Path(model_dir), spec, dtype, device, self.ops)
         self.rope = RotaryEmbedding(
             spec.hf_config, max_positions or spec.max_position_embeddings, dtype, device
         )

@@ -7,9 +7,12 @@ is our code (rotate-half layout, as in HF checkpoints).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from transformers import PretrainedConfig
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def _rope_type(config: PretrainedConfig) -> str:
@@ -23,11 +26,7 @@ class RotaryEmbedding:
     def __init__(
         self, config: PretrainedConfig, max_positions: int, dtype: torch.dtype, device: str
     ):
-        rope_type = _rope_type(config)
-        if rope_type == "default" or rope_type not in ROPE_INIT_FUNCTIONS:
-            inv_freq, scaling = _default_inv_freq(config)
-        else:
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        inv_freq, scaling = _inv_freq(config)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq.float())
         angles = torch.cat([freqs, freqs], dim=-1)
@@ -45,6 +44,18 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+def _inv_freq(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
+    rope_type = _rope_type(config)
+    if rope_type == "default":
+        return _default_inv_freq(config)
+    # Only scaled ropes need transformers' initialisers (and its ~1 s import).
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        return _default_inv_freq(config)
+    return ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
 
 
 def _default_inv_freq(config: PretrainedConfig) -> tuple[torch.Tensor, float]:

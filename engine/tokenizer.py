@@ -1,30 +1,48 @@
-"""Tokenizer and chat template of a local model directory (never the network)."""
+"""Tokenizer and chat template of a local model directory (never the network).
+
+Encoding and decoding go straight to the `tokenizers` (Rust) object that transformers
+wraps; transformers itself is imported only for what needs it (chat templates,
+grammar vocabularies), because its import is about a second of every worker's start
+and a worker only ever decodes. The effective Rust tokenizer, as transformers builds
+it from the model's files, is cached on disk (`backend_cache`), so a worker that finds
+it there never imports transformers at all.
+"""
 
 from __future__ import annotations
 
 import json
+from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from engine import backend_cache
 
-_BACKEND_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast"}
-"""tokenizer_config.json classes that are a plain tokenizer.json: AutoTokenizer would
-build the same object, but only after importing the model's config class (a second of
-every worker's start)."""
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer as BackendTokenizer
 
 
 class Tokenizer:
-    """Wraps a HF tokenizer with the few calls the server needs."""
+    """Wraps a model directory's tokenizer with the few calls the server needs."""
 
     def __init__(self, model_dir: str | Path):
         self.model_dir = Path(model_dir)
-        self.hf = _load_hf_tokenizer(self.model_dir)
-        self.eos_token_ids = frozenset(self._eos_ids())
+        state = backend_cache.load(self.model_dir) or backend_cache.store(self.model_dir, self.hf)
+        self._backend: BackendTokenizer | None = state.backend
+        self._decode_needs_hf = not state.decode_is_backend
+        self.eos_token_ids = frozenset(self._eos_ids(state.eos_token_id))
 
-    def _eos_ids(self) -> set[int]:
-        ids: set[int] = set()
-        if self.hf.eos_token_id is not None:
-            ids.add(int(self.hf.eos_token_id))
+    @cached_property
+    def hf(self):
+        """The transformers tokenizer: built on first use (chat templates, llguidance)."""
+        return _load_hf_tokenizer(self.model_dir)
+
+    def prepare_chat_template(self) -> None:
+        """Build transformers' tokenizer now. The driver calls this at start, since it
+        renders every chat request's template and the first should not pay the import."""
+        _ = self.hf
+
+    def _eos_ids(self, eos_token_id: int | None) -> set[int]:
+        ids: set[int] = set() if eos_token_id is None else {int(eos_token_id)}
         generation_config = self.model_dir / "generation_config.json"
         if generation_config.is_file():
             eos = json.loads(generation_config.read_text()).get("eos_token_id")
@@ -33,10 +51,17 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        return len(self.hf)
+        if self._backend is None:
+            return len(self.hf)
+        return self._backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=True))
+        return self._encode(text, add_special_tokens=True)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if self._backend is None:
+            return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def apply_chat_template(
         self, messages: list[dict], tools: list[dict] | None = None
@@ -46,7 +71,7 @@ class Tokenizer:
         text = self.hf.apply_chat_template(
             messages, tools=tools, tokenize=False, add_generation_prompt=True
         )
-        return list(self.hf.encode(text, add_special_tokens=False))
+        return self._encode(text, add_special_tokens=False)
 
     @property
     def template_renders_tools(self) -> bool:
@@ -57,13 +82,26 @@ class Tokenizer:
 
     def token_text(self, token_id: int) -> str:
         """One token as text, special tokens included (logprobs name tokens by it)."""
-        return self.hf.decode([token_id], skip_special_tokens=False)
+        return self._decode([token_id], skip_special_tokens=False)
 
     def decode(self, token_ids: list[int]) -> str:
-        return self.hf.decode(token_ids, skip_special_tokens=True)
+        return self._decode(token_ids, skip_special_tokens=True)
+
+    def _decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
+        if self._decode_needs_hf:
+            return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+
+_BACKEND_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast"}
+"""tokenizer_config.json classes that are a plain tokenizer.json: AutoTokenizer would
+build the same object, but only after importing the model's config class (a second of
+every worker's start)."""
 
 
 def _load_hf_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
     settings_file = model_dir / "tokenizer_config.json"
     settings = json.loads(settings_file.read_text()) if settings_file.is_file() else {}
     plain = settings.get("tokenizer_class") in _BACKEND_CLASSES

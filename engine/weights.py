@@ -62,7 +62,7 @@ class ModelWeights:
         return projections + self.lm_head.nbytes + norms
 
 
-def _checkpoint_files(model_dir: Path) -> list[Path]:
+def checkpoint_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         shard_names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -75,7 +75,7 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
 
 def read_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
-    for path in _checkpoint_files(Path(model_dir)):
+    for path in checkpoint_files(Path(model_dir)):
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
                 tensors[name] = handle.get_tensor(name)

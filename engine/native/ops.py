@@ -105,6 +105,7 @@ class NativeOps:
         self.eps = eps
         self.threads = torch.get_num_threads()
         self._scratch = torch.empty(0)
+        self.prepared_layout = f"native-strip{kernels.strip}"
 
     def prepare_linear(self, projection: Linear) -> PackedLinear:
         return PackedLinear.pack(projection, self.kernels.strip)

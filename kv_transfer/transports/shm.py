@@ -95,6 +95,21 @@ def _sender_gone(ticket: ExportTicket) -> bool:
     return _writer_gone(ticket.sender_endpoint["shm"]["path"])
 
 
+EXIT_GRACE_S = 1.0
+"""How long a sender whose control socket is already closed may take to finish exiting:
+the kernel closes a dying process's sockets before it turns it into a zombie."""
+
+
+def _sender_exited(ticket: ExportTicket, deadline: float) -> bool:
+    """Whether the sender has exited, waiting out the end of an exit in progress."""
+    until = min(deadline, time.monotonic() + EXIT_GRACE_S)
+    while not _sender_gone(ticket):
+        if time.monotonic() >= until:
+            return False
+        time.sleep(0.005)
+    return True
+
+
 def _writer_gone(path: str) -> bool:
     """Whether the process that wrote a pool file (its pid ends the name) has exited."""
     pid = _file_pid(path)
@@ -299,7 +314,7 @@ class ShmReceiver(TransportReceiver):
         try:
             self._pull_granted(ticket, src, dst_block_ids, deadline, verifier)
         except KVTransferError as exc:
-            if exc.reason != FailureReason.PEER_DIED or not _sender_gone(ticket):
+            if exc.reason != FailureReason.PEER_DIED or not _sender_exited(ticket, deadline):
                 raise
             # The sender died after its export, but its pool file outlives it in our
             # mapping and nothing writes those blocks any more: copy them again from the
