@@ -93,6 +93,7 @@ async def run_drill(args) -> DrillReport:
     kills: list[KillEvent] = []
     watchers: list[asyncio.Task] = []
     soak_summary = {}
+    spec = replace(spec, cold_cache=args.cold_cache)  # the reference pass shared the cache
     if args.duration:
         from bench.soak import run_soak
 
@@ -308,6 +309,13 @@ def add_drill_parser(sub) -> None:
         "--requests", type=int, default=32, help="requests of the load (not with --duration)"
     )
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per request")
+    parser.add_argument(
+        "--cold-cache",
+        action="store_true",
+        help="every request of the load carries its own cache_salt, so no prefix cache "
+        "serves it and each prompt is prefilled in full: without it a soak's repeated prompts "
+        "hit the prefill workers' caches, which then hold almost nothing a kill could take",
+    )
     parser.add_argument(
         "--signal", choices=sorted(_SIGNALS), default="kill", help="kill: SIGKILL, term: SIGTERM"
     )

@@ -20,6 +20,7 @@ import asyncio
 import itertools
 import json
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -182,6 +183,8 @@ class LoadSpec:
     ignore_eos: bool = True
     api_key: str | None = None
     timeout_s: float = 600.0
+    cold_cache: bool = False
+    """Every request carries its own `cache_salt`: no prefix cache serves it."""
 
 
 def completion_body(spec: LoadSpec, prompt) -> dict:
@@ -200,6 +203,8 @@ async def stream_completion(
     session: aiohttp.ClientSession, spec: LoadSpec, record: RequestRecord
 ) -> RequestRecord:
     body = completion_body(spec, record.prompt)
+    if spec.cold_cache:
+        body["cache_salt"] = uuid.uuid4().hex
     return await stream_request(session, spec.url, body, record, spec.api_key)
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from engine.prefix_cache import prompt_hashes
+from engine.prefix_cache import prompt_hashes, salted_root
 
 PREDICTION_TTL_S = 30.0
 
@@ -41,15 +41,15 @@ class CacheViews:
         self.seed: int | None = None
         self.block_size: int | None = None
 
-    def hashes(self, tokens: list[int], workers=()) -> list[int]:
-        """The chain of `tokens`' full blocks, as every worker names them (after taking in
-        the latest reports of `workers`); empty until a worker reported its cache, or
-        when prefix caching is off."""
+    def hashes(self, tokens: list[int], workers=(), salt: str | None = None) -> list[int]:
+        """The chain of `tokens`' full blocks, as every worker names them for a request
+        with prefix-cache salt `salt` (after taking in the latest reports of `workers`);
+        empty until a worker reported its cache, or when prefix caching is off."""
         for worker in workers:
             self._view(worker)
         if self.seed is None or self.block_size is None:
             return []
-        return prompt_hashes(self.seed, tokens, self.block_size)
+        return prompt_hashes(salted_root(self.seed, salt), tokens, self.block_size)
 
     def cached_blocks(self, worker, hashes: list[int]) -> int:
         """How many leading blocks of `hashes` `worker` holds, or will once the requests
@@ -70,8 +70,8 @@ class CacheViews:
         for block_hash in hashes:
             view.predicted[block_hash] = expiry
 
-    def note_tokens(self, worker_id: str, tokens: list[int]) -> None:
-        self.note(worker_id, self.hashes(tokens))
+    def note_tokens(self, worker_id: str, tokens: list[int], salt: str | None = None) -> None:
+        self.note(worker_id, self.hashes(tokens, salt=salt))
 
     def _view(self, worker) -> _View:
         view = self.views.setdefault(worker.worker_id, _View())

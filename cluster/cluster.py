@@ -80,7 +80,7 @@ class PDCluster:
         """Its decode worker now caches the prompt and all outputs but the last (whose KV
         was never computed): the conversation's next turn is routed there."""
         tokens = req.prompt_ids + req.decided[:-1]
-        self.router.remember_decoded(req.timeline.decode_worker, tokens)
+        self.router.remember_decoded(req.timeline.decode_worker, tokens, req.params.cache_salt)
 
     async def start(self) -> PDCluster:
         await self.controller.start()

@@ -174,7 +174,14 @@ class Disaggregation:
         self.block_size = block_size
         self.costs = PathCosts(configured_bandwidth=configured_bandwidth)
 
-    def choose(self, tokens: list[int], prefill, decode, recovering: bool = False) -> PathChoice:
+    def choose(
+        self,
+        tokens: list[int],
+        prefill,
+        decode,
+        recovering: bool = False,
+        salt: str | None = None,
+    ) -> PathChoice:
         """`prefill`, `decode`: the picked workers' `WorkerInfo` (decode may be None).
         `recovering`: the request's prefill worker died under it. Then `always` compares
         the two paths as `auto` does: the survivors' queues just grew by the dead
@@ -183,7 +190,7 @@ class Disaggregation:
             return PathChoice("local", "never")
         if (self.mode == "always" and not recovering) or decode is None:
             return PathChoice("remote", "always")
-        inputs = self.inputs(tokens, prefill, decode)
+        inputs = self.inputs(tokens, prefill, decode, salt)
         if inputs is None:
             return PathChoice("remote", "unmeasured")
         remote, local, moved = predict(inputs)
@@ -193,11 +200,13 @@ class Disaggregation:
         logger.debug("%d-token prompt: %s", len(tokens), choice)
         return choice
 
-    def inputs(self, tokens: list[int], prefill, decode) -> PathInputs | None:
+    def inputs(
+        self, tokens: list[int], prefill, decode, salt: str | None = None
+    ) -> PathInputs | None:
         prefill_costs = getattr(prefill.load, "step_costs", None)
         if prefill_costs is None or prefill_costs.prefill_token_s is None:
             return None
-        hashes = self.views.hashes(tokens, [prefill, decode])
+        hashes = self.views.hashes(tokens, [prefill, decode], salt)
         size = self.views.block_size or self.block_size
         on_decode = self.views.cached_blocks(decode, hashes) * size
         on_prefill = self.views.cached_blocks(prefill, hashes) * size

@@ -30,7 +30,7 @@ from cluster.openai_protocol import (
     max_tokens_of,
 )
 from cluster.tools import ToolChoice, tool_grammar
-from engine.sampling_params import MAX_LOGPROBS, StructuredSpec
+from engine.sampling_params import MAX_CACHE_SALT_CHARS, MAX_LOGPROBS, StructuredSpec
 
 
 def request_of(kind: str, parsed) -> ParsedRequest:
@@ -114,6 +114,13 @@ def _sampling_fields(parsed) -> dict:
             "characters each",
             param="stop",
         )
+    salt = parsed.cache_salt
+    if salt is not None and not 0 < len(salt) <= MAX_CACHE_SALT_CHARS:
+        raise ApiError(
+            400,
+            f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
+            param="cache_salt",
+        )
     if parsed.top_k < -1:
         raise ApiError(
             400, f"top_k must be -1 or 0 (disabled) or positive, got {parsed.top_k}", param="top_k"
@@ -132,6 +139,7 @@ def _sampling_fields(parsed) -> dict:
         repetition_penalty=parsed.repetition_penalty,
         logit_bias=_logit_bias(parsed.logit_bias),
         stop_token_ids=tuple(parsed.stop_token_ids or ()),
+        cache_salt=salt,
     )
 
 

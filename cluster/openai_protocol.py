@@ -178,6 +178,8 @@ class _Common(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputs | None = None
+    cache_salt: str | None = None
+    """vLLM's extension: prompts share cached prefix blocks only with the same salt."""
 
 
 class CompletionBody(_Common):

@@ -138,7 +138,9 @@ class RequestFlow:
         retried = False
         while True:
             try:
-                pick = self.router.pick("prefill", req.request_id, tokens=req.prompt_ids)
+                pick = self.router.pick(
+                    "prefill", req.request_id, tokens=req.prompt_ids, salt=req.params.cache_salt
+                )
             except NoLiveWorkerError:
                 return None
             claim = req.claim(pick)
@@ -179,7 +181,9 @@ class RequestFlow:
         if req.decode_pick is not None:
             req.decode_pick.release()
         try:
-            req.decode_pick = self.router.pick("decode", req.request_id, tokens=req.prompt_ids)
+            req.decode_pick = self.router.pick(
+                "decode", req.request_id, tokens=req.prompt_ids, salt=req.params.cache_salt
+            )
         except NoLiveWorkerError:
             req.decode_pick = None
         else:
@@ -187,7 +191,9 @@ class RequestFlow:
 
     def _prefill_on_decode(self, req: ClusterRequest, claim: Claim, recovering: bool) -> bool:
         decode = req.decode_pick.worker if req.decode_pick is not None else None
-        choice = self.disaggregation.choose(req.prompt_ids, claim.worker, decode, recovering)
+        choice = self.disaggregation.choose(
+            req.prompt_ids, claim.worker, decode, recovering, req.params.cache_salt
+        )
         req.timeline.disaggregation = choice.as_dict()
         return choice.path == "local"
 
@@ -233,7 +239,7 @@ class RequestFlow:
             return req.claim(pick)
         if pick is not None:
             pick.release()
-        claim = await self._pick_waiting(role, req.request_id, req.prompt_ids + req.decided)
+        claim = await self._pick_waiting(role, req, req.prompt_ids + req.decided)
         _note_route(req, claim)
         return req.claim(claim)
 
@@ -291,12 +297,14 @@ class RequestFlow:
             prompt_logprobs=item.prompt_logprobs,
         )
 
-    async def _pick_waiting(self, role: str, request_id: str, tokens: list[int]) -> Claim:
+    async def _pick_waiting(self, role: str, req: ClusterRequest, tokens: list[int]) -> Claim:
         """A live worker of `role`, waiting up to `recovery_timeout_s` for one to come back."""
         deadline = time.monotonic() + self.config.recovery_timeout_s
         while True:
             try:
-                return self.router.pick(role, request_id, tokens=tokens)
+                return self.router.pick(
+                    role, req.request_id, tokens=tokens, salt=req.params.cache_salt
+                )
             except NoLiveWorkerError:
                 if time.monotonic() >= deadline:
                     raise

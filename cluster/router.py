@@ -191,9 +191,9 @@ class CacheAware(Policy):
         return min(candidates, key=WorkerInfo.score)
 
     def decide(
-        self, role: str, candidates: list[WorkerInfo], tokens: list[int]
+        self, role: str, candidates: list[WorkerInfo], tokens: list[int], salt: str | None = None
     ) -> tuple[WorkerInfo, RouteDecision]:
-        hashes = self.views.hashes(tokens, candidates)
+        hashes = self.views.hashes(tokens, candidates, salt)
         block = self.views.block_size or 1
         prompt_blocks = -(-len(tokens) // block)
         scored = sorted(self._score(role, w, hashes, prompt_blocks, block) for w in candidates)
@@ -261,9 +261,11 @@ class Router:
         request_id: str | None = None,
         exclude: set[str] | None = None,
         tokens: list[int] | None = None,
+        salt: str | None = None,
     ) -> Claim:
         """A claim on the best live worker of `role` for a prompt of `tokens` (None: no
-        prompt to place, load only); the caller must release it."""
+        prompt to place, load only) with prefix-cache salt `salt`; the caller must
+        release it."""
         candidates = [w for w in self.live(role) if w.worker_id not in (exclude or set())]
         if not candidates:
             raise NoLiveWorkerError(role, request_id)
@@ -271,10 +273,10 @@ class Router:
         if tokens is None:
             return Claim(policy.choose(candidates))
         if isinstance(policy, CacheAware):
-            worker, decision = policy.decide(role, candidates, tokens)
+            worker, decision = policy.decide(role, candidates, tokens, salt)
         else:
             worker = policy.choose(candidates)
-        hashes = self.views.hashes(tokens, candidates)
+        hashes = self.views.hashes(tokens, candidates, salt)
         load = len(tokens)
         if role != "decode":  # what it has to compute
             load -= self.views.cached_blocks(worker, hashes) * (self.views.block_size or 0)
@@ -283,8 +285,10 @@ class Router:
         self.views.note(worker.worker_id, hashes)
         return claim
 
-    def remember_decoded(self, worker_id: str | None, tokens: list[int]) -> None:
+    def remember_decoded(
+        self, worker_id: str | None, tokens: list[int], salt: str | None = None
+    ) -> None:
         """A request's decode worker computed the KV of `tokens` (prompt plus all but
         the last output token): the next turn of the conversation may find it there."""
         if worker_id is not None:
-            self.views.note_tokens(worker_id, tokens)
+            self.views.note_tokens(worker_id, tokens, salt)

@@ -39,7 +39,13 @@ from engine.model import LlamaForward
 from engine.model_runner import ModelRunner
 from engine.model_spec import load_model_spec
 from engine.penalties import RowHistory
-from engine.prefix_cache import CacheReport, PrefixCache, extend_hashes, hash_seed
+from engine.prefix_cache import (
+    CacheReport,
+    PrefixCache,
+    extend_hashes,
+    hash_seed,
+    salted_root,
+)
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -284,9 +290,10 @@ class LLMEngine:
         full = min(seq.num_computed_tokens // size, len(seq.block_ids))
         if cache is None or full <= seq.num_published:
             return
-        hashes = extend_hashes(seq.block_hashes, seq.token_slice, cache.seed, size, full)
+        root = salted_root(cache.seed, seq.params.cache_salt)
+        hashes = extend_hashes(seq.block_hashes, seq.token_slice, root, size, full)
         for index in range(seq.num_published, full):
-            parent = hashes[index - 1] if index else cache.seed
+            parent = hashes[index - 1] if index else root
             tokens = tuple(seq.token_slice(index * size, (index + 1) * size))
             cache.publish(seq.block_ids[index], hashes[index], parent, tokens)
         seq.num_published = full

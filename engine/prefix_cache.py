@@ -43,6 +43,15 @@ def hash_seed(model_id: str, dtype: str, block_size: int) -> int:
     return int.from_bytes(digest.digest(), "little") >> 1
 
 
+def salted_root(seed: int, salt: str | None) -> int:
+    """The chain root of requests with prefix-cache salt `salt` (None: the shared root):
+    a salted chain shares no block with any other chain."""
+    if salt is None:
+        return seed
+    digest = hashlib.blake2b(f"{seed}|{salt}".encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "little") >> 1
+
+
 def block_hash(parent: int, tokens: tuple[int, ...]) -> int:
     # Tuples of ints hash the same in every process (no string hash randomization).
     return hash((parent, tokens))
@@ -109,19 +118,22 @@ class PrefixCache:
 
     # --- the scheduler ------------------------------------------------------------------
 
-    def match(self, hashes: list[int], tokens: TokenSlice, max_blocks: int) -> list[int]:
+    def match(
+        self, hashes: list[int], tokens: TokenSlice, max_blocks: int, salt: str | None = None
+    ) -> list[int]:
         """Block ids of the longest cached chain of `hashes` (grown on demand with
-        `extend_hashes`), at most `max_blocks`. Takes nothing: the caller checks room,
-        then `BlockAllocator.take_cached`."""
+        `extend_hashes` from the root of `salt`), at most `max_blocks`. Takes nothing:
+        the caller checks room, then `BlockAllocator.take_cached`."""
         found: list[int] = []
         size = self.block_size
+        root = salted_root(self.seed, salt)
         for index in range(max_blocks):
-            extend_hashes(hashes, tokens, self.seed, size, index + 1)
+            extend_hashes(hashes, tokens, root, size, index + 1)
             block_id = self.by_hash.get(hashes[index])
             if block_id is None:
                 break
             entry = self.entries[block_id]
-            parent = hashes[index - 1] if index else self.seed
+            parent = hashes[index - 1] if index else root
             if entry.parent != parent or entry.tokens != tuple(
                 tokens(index * size, (index + 1) * size)
             ):

@@ -14,6 +14,7 @@ from typing import Literal
 
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_LOGPROBS = 20
+MAX_CACHE_SALT_CHARS = 1024
 """Most alternatives a request may ask per position (OpenAI's own limit)."""
 
 StructuredKind = Literal["json_schema", "json_object", "regex", "choice", "lark"]
@@ -70,6 +71,10 @@ class SamplingParams:
     """Per prompt token after the first: its logprob plus this many alternatives (None: off)."""
     structured: StructuredSpec | None = None
     """A grammar the output must follow."""
+    cache_salt: str | None = None
+    """Not a sampling choice but the request's prefix-cache scope (vLLM's `cache_salt`):
+    blocks are shared only between requests with the same salt, so one tenant cannot
+    time another's prompts through cache hits. None: the shared cache."""
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -94,6 +99,13 @@ class SamplingParams:
         object.__setattr__(self, "stop", stops)
         self._check_penalties()
         self._check_logprobs()
+        if self.cache_salt is not None and (
+            not isinstance(self.cache_salt, str)
+            or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS
+        ):
+            raise ValueError(
+                f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters"
+            )
         bias = tuple((int(t), float(b)) for t, b in self.logit_bias)
         if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in bias):
             raise ValueError("logit_bias maps token ids >= 0 to biases in [-100, 100]")

@@ -128,7 +128,7 @@ class Scheduler:
             return []
         if seq.prompt_logprobs is not None:
             return []  # its prompt logprobs need the logits of every prompt position
-        return cache.match(seq.block_hashes, seq.token_slice, max_blocks)
+        return cache.match(seq.block_hashes, seq.token_slice, max_blocks, seq.params.cache_salt)
 
     def _take_hits(self, seq: Sequence, hits: list[int], looked_up: int) -> None:
         """`seq` takes its cached blocks (room checked by the caller)."""

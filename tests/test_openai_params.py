@@ -50,6 +50,7 @@ def test_sampling_fields_reach_the_params():
             min_tokens=2,
             logit_bias={"7": 150, "9": -3},
             stop_token_ids=[4],
+            cache_salt="tenant-a",
         ),
     )
     p = parsed.params
@@ -57,7 +58,7 @@ def test_sampling_fields_reach_the_params():
     assert (p.logprobs, p.prompt_logprobs, parsed.echo, parsed.echo_only) == (2, 2, True, False)
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.5, 1.2)
     assert p.logit_bias == ((7, 100.0), (9, -3.0)) and p.stop_token_ids == (4,)
-    assert p.min_tokens == 2
+    assert p.min_tokens == 2 and p.cache_salt == "tenant-a"
     scoring = parse_body("completion", completion(echo=True, logprobs=0, max_tokens=0))
     assert scoring.echo_only and scoring.params.max_tokens == 1
 
@@ -100,6 +101,9 @@ def test_chat_logprobs_and_structured_outputs():
         ),
         ("completion", completion(logit_bias={"a": 1}), "logit_bias"),
         ("completion", completion(presence_penalty=3), None),
+        ("completion", completion(cache_salt=""), "cache_salt"),
+        ("chat", chat(cache_salt="x" * 1025), "cache_salt"),
+        ("chat", chat(cache_salt=7), "cache_salt"),
     ],
 )
 def test_refused_bodies_get_a_400_naming_the_parameter(kind, body, param):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.prefix_cache import PrefixCache, hash_seed, prompt_hashes
+from engine.prefix_cache import PrefixCache, hash_seed, prompt_hashes, salted_root
 from engine.sampling_params import SamplingParams
 from tests.conftest import assert_no_leaks, make_engine
 from tests.factories import hf_greedy
@@ -59,6 +59,32 @@ def test_greedy_tokens_are_identical_with_and_without_the_cache(tiny_model_dirs,
     assert plain.allocator.cache is None
     assert_no_leaks(cached)
     assert_no_leaks(plain)
+
+
+def test_requests_share_cached_blocks_only_under_the_same_cache_salt(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir, block_size=BLOCK)
+
+    def run(salt):
+        params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, cache_salt=salt)
+        seq = engine.generate([[*BASE, 5]], params)[0]
+        return seq.output_token_ids, seq.num_cached_tokens
+
+    first, unsalted_hits = run(None)
+    assert unsalted_hits == 0
+    assert run("tenant-a") == (first, 0)  # the shared cache holds BASE; tenant a sees none
+    assert run("tenant-a") == (first, 48)  # ... but its own blocks
+    assert run("tenant-b") == (first, 0)
+    assert run(None) == (first, 48)
+    assert_no_leaks(engine)
+
+
+def test_salted_chains_share_no_hash_with_the_shared_chain():
+    seed = hash_seed("m", "float32", BLOCK)
+    shared = prompt_hashes(seed, BASE, BLOCK)
+    salted = {salt: prompt_hashes(salted_root(seed, salt), BASE, BLOCK) for salt in "ab"}
+    assert salted_root(seed, None) == seed
+    assert not set(shared) & set(salted["a"]) and not set(salted["a"]) & set(salted["b"])
+    assert salted["a"] == prompt_hashes(salted_root(seed, "a"), BASE, BLOCK)
 
 
 def test_sequences_sharing_a_prefix_in_one_batch_decode_the_same_as_alone(tiny_llama_dir):

@@ -6,13 +6,14 @@ prefill instead, and every output equals transformers'."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import ray
 
 from cluster.cluster import PDCluster
 from engine.block_manager import blocks_needed
-from tests.cluster_helpers import assert_cluster_leak_free, collect, tiny_cluster_config
+from tests.cluster_helpers import GREEDY, assert_cluster_leak_free, collect, tiny_cluster_config
 from tests.factories import hf_greedy
 
 pytestmark = pytest.mark.slow
@@ -72,6 +73,16 @@ async def _scenario(cluster: PDCluster, model_dir) -> None:
     assert t2["kv_blocks_moved"] == blocks_needed(len(second), BLOCK) - 5
     assert t2["kv_bytes"] == t2["kv_blocks_moved"] * block_bytes
     assert t2["kv_bytes_saved"] == 5 * block_bytes
+
+    # 2b. the same prompt under a cache salt: no worker's cache serves it, the output
+    #     is the same
+    salted = dataclasses.replace(GREEDY, cache_salt="tenant-a")
+    out2b, last2b = await collect(cluster, second, salted)
+    t2b = last2b.timings
+    assert out2b == out2
+    assert (t2b["cached_tokens"], t2b["prefill_cached_tokens"]) == (0, 0)
+    assert t2b["decode_reused_blocks"] == 0
+    assert t2b["kv_blocks_moved"] == blocks_needed(len(second), BLOCK)
 
     # 3. the next turn of the first conversation: its history (prompt + outputs) is on
     #    its decode worker, which receives only the blocks of the new tokens
