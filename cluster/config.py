@@ -99,11 +99,6 @@ class ClusterConfig(ModelSettings):
     """When a spare took a dead worker's place, its restart (which only rebuilds the
     spare) starts this much later: a worker's start keeps a core busy for seconds,
     which on a small node is taken from the requests recovering on the survivors."""
-    serving_niceness: int | None = 0
-    """Nice value a worker runs at once its engine is built. Ray starts worker processes
-    at 15 (its `worker_niceness`), so a (re)starting worker takes idle CPU, not the
-    survivors' that carry its requests. None stays at Ray's; a value below it needs
-    CAP_SYS_NICE (or RLIMIT_NICE), else the worker warns and stays."""
     recovery_timeout_s: float = 30.0
     """How long a request waits for a live worker of a role before failing with 503."""
     cluster_token: str | None = None
@@ -119,8 +114,6 @@ class ClusterConfig(ModelSettings):
             raise ConfigError("prefill_workers must be >= 1 in disaggregated mode")
         if self.decode_workers < 1:
             raise ConfigError("decode_workers must be >= 1")
-        if self.serving_niceness is not None and not -20 <= self.serving_niceness <= 19:
-            raise ConfigError(f"serving_niceness must be in [-20, 19], got {self.serving_niceness}")
         if self.threads_per_worker < 1:
             raise ConfigError("threads_per_worker must be >= 1")
         if self.gpus_per_worker < 0:
@@ -235,7 +228,6 @@ class ClusterConfig(ModelSettings):
             transport_options=None if role == "colocated" else self.kv_transport_options(),
             transfer_timeout_s=self.transfer_timeout_s,
             on_transfer_failure=self.on_transfer_failure,
-            serving_niceness=self.serving_niceness,
         )
 
     def replace(self, **changes: Any) -> ClusterConfig:

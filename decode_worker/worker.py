@@ -44,7 +44,6 @@ from engine.worker_messages import (
     ImportEvent,
     TokenEvent,
 )
-from engine.worker_priority import serve_at
 from engine.worker_spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -76,7 +75,7 @@ class DecodeWorker(EngineActor):
                 spec.transport_options_on(node_ip()),
             )
         timer.lap("transport_s")
-        self.startup = {**timer.durations, **serve_at(spec.serving_niceness)}
+        self.startup = timer.durations
         self.fetch_pool = ThreadPoolExecutor(_FETCH_THREADS, thread_name_prefix="kv-fetch")
         self.tickets: dict[str, object] = {}
         """Tickets of imports still waiting for blocks, read by the engine thread."""

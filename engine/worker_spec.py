@@ -33,8 +33,6 @@ class WorkerSpec:
     """Bound on one KV fetch (decode workers)."""
     on_transfer_failure: TransferFailurePolicy
     """A failed import: `recompute` the prompt here, or `fail` the request."""
-    serving_niceness: int | None = 0
-    """Nice value once the engine is built (`engine.worker_priority`); None: Ray's."""
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "colocated"):

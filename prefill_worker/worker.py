@@ -33,7 +33,6 @@ from engine.worker_health import (
     node_ip,
 )
 from engine.worker_messages import ErrorEvent, HealthReport, PrefillRequest, PrefillResult
-from engine.worker_priority import serve_at
 from engine.worker_spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -69,7 +68,7 @@ class PrefillWorker(EngineActor):
             spec.transport_options_on(node_ip()),
         )
         timer.lap("transport_s")
-        self.startup = {**timer.durations, **serve_at(spec.serving_niceness)}
+        self.startup = timer.durations
         self.peers: dict[str, str] = {}
         """Request -> the decode worker its export is meant for, until it is exported."""
 
