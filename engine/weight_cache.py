@@ -208,11 +208,16 @@ def _write_file(path: Path, tensors: dict, layout: dict, model_dir: str) -> None
         }
         offset += tensor.numel() * tensor.element_size()
     header = {"format": FORMAT, "model_dir": model_dir, "layout": layout, "tensors": entries}
-    header_bytes = json.dumps(header).encode()
-    data_start = -(-(8 + len(header_bytes)) // ALIGN) * ALIGN
-    for entry in entries.values():
-        entry["offset"] += data_start
-    header_bytes = json.dumps(header).encode().ljust(data_start - 8)
+    relative = {name: entry["offset"] for name, entry in entries.items()}
+    data_start = 0
+    while True:  # the offsets are in the header: grow its room until it fits
+        for name, entry in entries.items():
+            entry["offset"] = relative[name] + data_start
+        header_bytes = json.dumps(header).encode()
+        if 8 + len(header_bytes) <= data_start:
+            break
+        data_start = -(-(8 + len(header_bytes)) // ALIGN) * ALIGN
+    header_bytes = header_bytes.ljust(data_start - 8)
     with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as tmp:
         try:
             tmp.write(struct.pack("<Q", len(header_bytes)) + header_bytes)
@@ -228,7 +233,12 @@ def _write_file(path: Path, tensors: dict, layout: dict, model_dir: str) -> None
 
 
 def _remove_entries_of_deleted_models(cache_dir: Path) -> None:
-    """Entries whose model directory is gone (tests' temporary models) go with it."""
+    """Entries whose model directory is gone (tests' temporary models) go with it, and
+    so do half-written files: only the lock's holder writes, so any left is a dead
+    writer's (a worker killed during its first start)."""
+    for partial in cache_dir.glob("*.tmp"):
+        with contextlib.suppress(FileNotFoundError):
+            partial.unlink()
     for entry in cache_dir.glob(f"*{SUFFIX}"):
         try:
             model_dir = _map(entry)[0]["model_dir"]

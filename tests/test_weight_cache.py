@@ -101,8 +101,10 @@ def test_entries_of_deleted_models_are_removed_on_the_next_write(
     make_engine(doomed)
     shutil.rmtree(doomed)
     assert len(entries(cache_dir)) == 1
+    (cache_dir / "tmpdeadwriter.tmp").write_bytes(b"half a file")  # a writer killed mid-way
 
     make_engine(shutil.copytree(tiny_model_dirs["llama"], tmp_path / "kept"))
 
     (kept,) = entries(cache_dir)
     assert kept.stat().st_size > 0
+    assert not list(cache_dir.glob("*.tmp"))
