@@ -56,7 +56,47 @@ class Admin:
         return await served_model_id(self.url, self.api_key)
 
 
-def drill_prompts(count: int, distinct: int = 16) -> list[str]:
+_CONTEXT_WORDS = [
+    "harbour",
+    "evening",
+    "lantern",
+    "keeper",
+    "storm",
+    "north",
+    "rope",
+    "ledger",
+    "window",
+    "tide",
+    "silver",
+    "gull",
+    "bridge",
+    "market",
+    "winter",
+    "letter",
+    "candle",
+    "orchard",
+    "stone",
+    "violin",
+    "road",
+    "river",
+    "clock",
+    "lamp",
+    "garden",
+    "thread",
+    "island",
+    "kettle",
+    "mirror",
+    "ribbon",
+    "anchor",
+    "compass",
+    "meadow",
+    "forge",
+]
+
+
+def drill_prompts(count: int, distinct: int = 16, context_words: int = 0) -> list[str]:
+    """`count` prompts cycling through `distinct` ones; with `context_words`, each of
+    those opens with its own passage of that many words (a longer prefill)."""
     topics = [
         "the sea",
         "a lighthouse",
@@ -72,15 +112,26 @@ def drill_prompts(count: int, distinct: int = 16) -> list[str]:
         "a violin",
     ]
     return [
-        f"Write a long story about {topics[i % len(topics)]}, part {i % distinct}."
+        _context(i % distinct, context_words)
+        + f"Write a long story about {topics[i % len(topics)]}, part {i % distinct}."
         for i in range(count)
     ]
+
+
+def _context(part: int, words: int) -> str:
+    if words <= 0:
+        return ""
+    step = 7 + 2 * part  # odd, so each part walks the words in its own order
+    passage = " ".join(
+        _CONTEXT_WORDS[(part + k * step) % len(_CONTEXT_WORDS)] for k in range(words)
+    )
+    return f"Notes {part}: {passage}.\n"
 
 
 async def run_drill(args) -> DrillReport:
     admin = Admin(args.url.rstrip("/"), args.api_key)
     model = args.model or await admin.model()
-    prompts = drill_prompts(args.requests)
+    prompts = drill_prompts(args.requests, context_words=args.context_words)
     spec = LoadSpec(
         url=admin.url,
         model=model,
@@ -309,6 +360,14 @@ def add_drill_parser(sub) -> None:
         "--requests", type=int, default=32, help="requests of the load (not with --duration)"
     )
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per request")
+    parser.add_argument(
+        "--context-words",
+        type=int,
+        default=0,
+        help="open each prompt with its own passage of this many words (about a token "
+        "each), so that prefills take long enough for prefill kills to find work; the "
+        "default prompts are ~15 tokens",
+    )
     parser.add_argument(
         "--cold-cache",
         action="store_true",
