@@ -453,36 +453,3 @@ def test_the_decode_batches_follow_the_arrival_order_not_the_landing_order():
     ]
     assert replay_decode(first) == expected
     assert replay_decode(swapped) == expected
-
-
-def test_a_step_in_progress_shows_the_requests_it_holds(tiny_llama_dir):
-    """`EngineLoop.stepping`: what a prefill worker's debug state answers mid-step (the
-    drill picks its victims by it, and a long prefill step must not hide its prompt)."""
-    from engine.engine_loop import EngineLoop
-
-    engine = make_engine(tiny_llama_dir)
-    engine.step_delay_s = 0.3
-
-    async def scenario():
-        loop = EngineLoop(engine)
-        try:
-            assert loop.stepping is None
-            await loop.call(
-                lambda e: e.add_request("long", list(range(3, 40)), SamplingParams(max_tokens=2))
-            )
-            seen = None
-            for _ in range(100):
-                seen = loop.stepping or seen
-                if seen:
-                    break
-                await asyncio.sleep(0.01)
-            assert seen == {"long": "waiting"} or seen == {"long": "running+blocks"}
-            while engine.has_unfinished():
-                await asyncio.sleep(0.05)
-            await asyncio.sleep(0.4)
-            assert loop.stepping is None
-        finally:
-            loop.stop()
-
-    asyncio.run(scenario())
-    assert_no_leaks(engine)
