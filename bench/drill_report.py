@@ -70,6 +70,9 @@ class DrillReport:
     soak: dict = field(default_factory=dict)
     """Soak runs only: throughput recovery, RSS growth, plot path (see bench/soak.py)."""
     affected_requests: list[dict] = field(default_factory=list)
+    wrong_requests: list[dict] = field(default_factory=list)
+    """Every completed request whose text is not its reference's: both texts, and the
+    server's timings (recoveries included), to find what lost or repeated a token."""
     """Per recovered request (--json only): its latency, its baseline's, what the
     server did (recoveries, paths) and the server's phase timings."""
 
@@ -140,7 +143,17 @@ def verdict(
         leaked_blocks=blocks,
         leaked_leases=leases,
         affected_requests=details,
+        wrong_requests=[_wrong(r, expected.get(key(r))) for r in wrong],
     )
+
+
+def _wrong(record: RequestRecord, expected: str | None) -> dict:
+    return {
+        "index": record.index,
+        "text": record.text,
+        "expected": expected,
+        "server_timings": record.server_timings,
+    }
 
 
 def _affected(record: RequestRecord, baseline_s: float | None) -> dict:

@@ -106,7 +106,8 @@ def test_a_short_soak_with_four_kills_loses_nothing(tiny_llama_dir, tmp_path):
         )  # fmt: skip
     finally:
         leftovers = server.stop()
-    assert result.returncode == 0, result.stdout + result.stderr + server.output()
+    wrong = json.loads(report_path.read_text())["wrong_requests"] if report_path.exists() else []
+    assert result.returncode == 0, f"{result.stdout}{result.stderr}{wrong}{server.output()}"
     report = json.loads(report_path.read_text())
     assert report["kills_planned"] == report["kills_hit"] == 4
     assert report["failed"] == report["duplicated_text"] == report["missing_text"] == 0
