@@ -70,11 +70,11 @@ class DrillReport:
     soak: dict = field(default_factory=dict)
     """Soak runs only: throughput recovery, RSS growth, plot path (see bench/soak.py)."""
     affected_requests: list[dict] = field(default_factory=list)
+    """Per recovered request (--json only): its latency, its baseline's, what the
+    server did (recoveries, paths) and the server's phase timings."""
     wrong_requests: list[dict] = field(default_factory=list)
     """Every completed request whose text is not its reference's: both texts, and the
     server's timings (recoveries included), to find what lost or repeated a token."""
-    """Per recovered request (--json only): its latency, its baseline's, what the
-    server did (recoveries, paths) and the server's phase timings."""
 
     @property
     def kills_hit(self) -> int:

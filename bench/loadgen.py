@@ -188,7 +188,7 @@ class LoadSpec:
 
 
 def completion_body(spec: LoadSpec, prompt) -> dict:
-    return {
+    body = {
         "model": spec.model,
         "prompt": prompt,
         "max_tokens": spec.max_tokens,
@@ -197,14 +197,15 @@ def completion_body(spec: LoadSpec, prompt) -> dict:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if spec.cold_cache:
+        body["cache_salt"] = uuid.uuid4().hex
+    return body
 
 
 async def stream_completion(
     session: aiohttp.ClientSession, spec: LoadSpec, record: RequestRecord
 ) -> RequestRecord:
     body = completion_body(spec, record.prompt)
-    if spec.cold_cache:
-        body["cache_salt"] = uuid.uuid4().hex
     return await stream_request(session, spec.url, body, record, spec.api_key)
 
 

@@ -75,8 +75,10 @@ def store(model_dir: Path, hf) -> BackendState:
     """The state of the transformers tokenizer `hf`, saved for the next process when
     its Rust object fully stands for it (a cache that cannot be written is skipped)."""
     backend = getattr(hf, "backend_tokenizer", None)
+    # A copy: transformers changes its own object's settings on every call.
+    serialized = None if backend is None else backend.to_str()
     state = BackendState(
-        backend=None if backend is None else BackendTokenizer.from_str(backend.to_str()),
+        backend=None if serialized is None else BackendTokenizer.from_str(serialized),
         eos_token_id=hf.eos_token_id,
         decode_is_backend=backend is not None and not hf.clean_up_tokenization_spaces,
     )
@@ -86,7 +88,7 @@ def store(model_dir: Path, hf) -> BackendState:
     _as_transformers_calls_it(state.backend, split_special_tokens)
     if state.decode_is_backend:
         saved = {
-            "backend": backend.to_str(),
+            "backend": serialized,
             "eos_token_id": hf.eos_token_id,
             "split_special_tokens": split_special_tokens,
         }

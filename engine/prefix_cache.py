@@ -39,16 +39,17 @@ TokenSlice = Callable[[int, int], list[int]]
 def hash_seed(model_id: str, dtype: str, block_size: int) -> int:
     """The chain's root: stable across processes (unlike `hash(str)`), so the driver and
     every worker of one model name a block alike."""
-    digest = hashlib.blake2b(f"{model_id}|{dtype}|{block_size}".encode(), digest_size=8)
-    return int.from_bytes(digest.digest(), "little") >> 1
+    return _root_of(f"{model_id}|{dtype}|{block_size}")
 
 
 def salted_root(seed: int, salt: str | None) -> int:
     """The chain root of requests with prefix-cache salt `salt` (None: the shared root):
     a salted chain shares no block with any other chain."""
-    if salt is None:
-        return seed
-    digest = hashlib.blake2b(f"{seed}|{salt}".encode(), digest_size=8)
+    return seed if salt is None else _root_of(f"{seed}|{salt}")
+
+
+def _root_of(text: str) -> int:
+    digest = hashlib.blake2b(text.encode(), digest_size=8)
     return int.from_bytes(digest.digest(), "little") >> 1
 
 

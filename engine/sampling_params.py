@@ -14,8 +14,8 @@ from typing import Literal
 
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_LOGPROBS = 20
-MAX_CACHE_SALT_CHARS = 1024
 """Most alternatives a request may ask per position (OpenAI's own limit)."""
+MAX_CACHE_SALT_CHARS = 1024
 
 StructuredKind = Literal["json_schema", "json_object", "regex", "choice", "lark"]
 

@@ -3,9 +3,10 @@
 Preparing the weights (stacking q/k/v and gate/up, packing every projection for the
 native kernels) copies the whole model twice: 0.7 of the 0.9 s an engine takes to
 build on the demo model, in every worker start and every restart after a kill. The
-prepared tensors are saved once in one file, each tensor aligned for the kernels; later loads map it, so a
-(re)start costs page faults instead of copies, and the workers of one machine share
-one copy of the weights in the page cache (each mapping is private: copy-on-write).
+prepared tensors are saved once in one file, each tensor aligned for the kernels;
+later loads map it, so a (re)start costs page faults instead of copies, and the
+workers of one machine share one copy of the weights in the page cache (each mapping
+is private: copy-on-write).
 
 The file is keyed by what the prepared tensors depend on: the checkpoint files
 (path, size, mtime), config.json, the dtype, the ops' packed layout and `FORMAT`.
