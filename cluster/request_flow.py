@@ -269,6 +269,10 @@ class RequestFlow:
                 else:
                     for chunk in self._on_tokens(req, item, worker):
                         yield chunk
+                    if item.finished:
+                        # Done: not waiting for the stream's end, where the worker's
+                        # death would read as this request's and decode it again.
+                        return
         finally:
             claim.release()
 

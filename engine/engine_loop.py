@@ -56,6 +56,10 @@ class EngineLoop:
         self.streams: dict[str, asyncio.Queue] = {}
         self.wakeup = threading.Event()
         self.running = True
+        self.stepping: dict[str, str] | None = None
+        """While a step runs, its engine's requests as they were when it began
+        (`LLMEngine.request_states`), for readers that must not wait for the step to end
+        (a prefill worker's debug state: one prefill step can take seconds); else None."""
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.thread.start()
 
@@ -118,11 +122,14 @@ class EngineLoop:
                 self.wakeup.wait(_IDLE_WAIT_S)
                 self.wakeup.clear()
                 continue
+            self.stepping = self.engine.request_states()
             try:
                 outputs = self.engine.step()
             except Exception:
                 logger.exception("engine step failed")
                 raise
+            finally:
+                self.stepping = None
             if outputs and self.on_outputs is not None:
                 outputs = self.on_outputs(self.engine, outputs)
             if outputs:

@@ -310,6 +310,13 @@ class LLMEngine:
     def _new_sequence(
         self, request_id, prompt_token_ids, params, output_token_ids, emitted_text_len
     ) -> Sequence:
+        if output_token_ids and len(output_token_ids) >= params.max_tokens:
+            # Its owner missed that it finished; decoding on would add a token too many.
+            raise InvalidRequestError(
+                f"resumed with {len(output_token_ids)} decided tokens, at max_tokens "
+                f"{params.max_tokens} already",
+                request_id,
+            )
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),

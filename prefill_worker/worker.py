@@ -69,6 +69,8 @@ class PrefillWorker(EngineActor):
         )
         timer.lap("transport_s")
         self.startup = timer.durations
+        self._last_state: dict | None = None
+        """The engine state `debug_state` read last."""
         self.peers: dict[str, str] = {}
         """Request -> the decode worker its export is meant for, until it is exported."""
 
@@ -180,8 +182,16 @@ class PrefillWorker(EngineActor):
     async def debug_state(self) -> dict:
         """Leak checks in tests and drills: blocks in use, leases outstanding (and those
         whose bytes this worker's death would lose), and each request's state (read on
-        the engine thread, which owns them)."""
-        state = await self._engine_loop().call(engine_state)
+        the engine thread, which owns them). During a step it answers at once: the last
+        state read, with the requests the step holds. Waiting for a long prefill step to
+        end, a drill saw each prompt only after it was exported, when killing this
+        worker cost it nothing."""
+        loop = self._engine_loop()
+        if loop.stepping is not None and self._last_state is not None:
+            stepping = loop.stepping
+            state = {**self._last_state, "requests": stepping, "sequences": len(stepping)}
+        else:
+            state = self._last_state = await loop.call(engine_state)
         leases = self.sender.leased_request_ids()
         return {
             **state,

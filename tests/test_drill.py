@@ -104,8 +104,8 @@ def test_a_short_soak_with_four_kills_loses_nothing(tiny_llama_dir, tmp_path):
             [
                 sys.executable, "-m", "cluster.cli", "drill", "--url", server.url,
                 "--kill", "random", "--duration", "2m", "--every", "25", "--rate", "4",
-                "--concurrency", "8", "--max-tokens", "48", "--json", str(report_path),
-                "--plot", str(plot_path),
+                "--concurrency", "8", "--max-tokens", "48", "--cold-cache",
+                "--json", str(report_path), "--plot", str(plot_path),
             ],
             capture_output=True, text=True, timeout=420,
         )  # fmt: skip

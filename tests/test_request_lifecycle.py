@@ -7,6 +7,7 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
+from ray.exceptions import RayActorError
 
 from cluster.config import ClusterConfig, ConfigError
 from cluster.request import ClusterRequest, RequestFailedError
@@ -107,6 +108,15 @@ def test_an_abort_that_overtakes_its_request_refuses_it_later(tiny_llama_dir):
         engine.add_request("ghost", prompt_of(5), GREEDY)
     with pytest.raises(RequestAbortedError):
         engine.begin_import("ghost", prompt_of(5), [1], GREEDY, 5)
+    assert_no_leaks(engine)
+
+
+def test_a_request_resumed_with_all_its_tokens_is_refused(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    with pytest.raises(InvalidRequestError, match="max_tokens 2 already") as refused:
+        engine.add_request("r1", [1, 2, 3], params, output_token_ids=[4, 5])
+    assert refused.value.request_id == "r1"
     assert_no_leaks(engine)
 
 
@@ -351,6 +361,34 @@ def test_a_finished_request_acks_the_export_and_releases_every_claim():
     assert [w.in_flight for w in workers.values()] == [0, 0]
 
 
+def test_a_worker_that_dies_after_its_last_token_does_not_decode_the_request_again():
+    """The worker's death can surface at the stream's end, after the finished token came:
+    the request is complete and must not be migrated (that decoded one token too many)."""
+
+    deaths = [RayActorError()]
+
+    def tokens_then_death(request):
+        yield from tokens_of(request)
+        if deaths:
+            raise deaths.pop()
+
+    async def main():
+        prefill = FakeWorker("prefill-0", "prefill", {"prefill": result_of})
+        decode = FakeWorker("decode-0", "decode", {"generate": tokens_then_death})
+        prefill.gate.set(), decode.gate.set()
+        flow, workers = cluster_of(prefill, decode)
+        req = open_request()
+        chunks = await consume(flow, req)
+        req.close("finished")
+        return chunks, decode.calls, req, workers
+
+    chunks, decode_calls, req, workers = asyncio.run(main())
+    assert [c.token_ids for c in chunks] == [[7], [8], [9]]
+    assert decode_calls == [("generate", "r1")]
+    assert req.timeline.recoveries == []
+    assert [w.in_flight for w in workers.values()] == [0, 0]
+
+
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
 def test_close_aborts_what_each_worker_holds_and_releases_claims(phase):
     async def main():
@@ -453,3 +491,36 @@ def test_the_decode_batches_follow_the_arrival_order_not_the_landing_order():
     ]
     assert replay_decode(first) == expected
     assert replay_decode(swapped) == expected
+
+
+def test_a_step_in_progress_shows_the_requests_it_holds(tiny_llama_dir):
+    """`EngineLoop.stepping`: what a prefill worker's debug state answers mid-step (the
+    drill picks its victims by it, and a long prefill step must not hide its prompt)."""
+    from engine.engine_loop import EngineLoop
+
+    engine = make_engine(tiny_llama_dir)
+    engine.step_delay_s = 0.3
+
+    async def scenario():
+        loop = EngineLoop(engine)
+        try:
+            assert loop.stepping is None
+            await loop.call(
+                lambda e: e.add_request("long", list(range(3, 40)), SamplingParams(max_tokens=2))
+            )
+            seen = None
+            for _ in range(100):
+                seen = loop.stepping or seen
+                if seen:
+                    break
+                await asyncio.sleep(0.01)
+            assert seen == {"long": "waiting"} or seen == {"long": "running+blocks"}
+            while engine.has_unfinished():
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.4)
+            assert loop.stepping is None
+        finally:
+            loop.stop()
+
+    asyncio.run(scenario())
+    assert_no_leaks(engine)
