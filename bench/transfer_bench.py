@@ -4,8 +4,10 @@ loopback socket and a memcpy of the same size measured in the same run.
 A sender child process (spawned, like a prefill worker) holds a pool of 1 MiB blocks
 and exports a request per repetition; this process is the receiver and times
 `fetch` only (export and ack are outside the timing). Baselines: the same bytes over
-a plain TCP socket from a child process into a preallocated buffer, and a one-thread
-memcpy. Library ceilings, also from a child process into a preallocated buffer: bare
+a plain TCP socket from a child process into a preallocated buffer, a memcpy between
+two buffers of this process on as many threads as the shm receiver copies with, and
+(`pool-memcpy`, shm only) that copy from the same mapped pages of the sender's pool into
+the same destination blocks, timed in turn with each shm fetch. Library ceilings, also from a child process into a preallocated buffer: bare
 gloo send/recv of the same pieces (`gloo-bare`) and a bare grpcio stream of the same
 messages (`grpc-bare`), with none of our code (no registry, no checksums), so each
 transport's own overhead reads as transport / ceiling. Optional peers, when installed
@@ -310,12 +312,63 @@ def measure_checksum(size: int, repeats: int) -> float:
     return size / best
 
 
+class PoolMemcpy:
+    """The shm transport's own ceiling: a plain copy of the same bytes, from the same
+    mapped pages of the sender's pool file into the same destination blocks, on as many
+    threads as the receiver copies with, timed in turn with each fetch (the copy that
+    runs second finds the source in cache, so the order alternates)."""
+
+    def __init__(self, lanes: int):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.lanes = lanes
+        self.pool = ThreadPoolExecutor(lanes)
+        self.maps: dict[str, object] = {}
+
+    def seconds(self, ticket, dst) -> float:
+        import numpy as np
+
+        src = self._mapped(ticket)
+        nbytes = len(ticket.block_ids) * MIB  # the bench exports blocks 0..n-1 into 0..n-1
+        step = -(-nbytes // self.lanes)
+        parts = [slice(o, min(o + step, nbytes)) for o in range(0, nbytes, step)]
+
+        def copy(part: slice) -> None:
+            np.copyto(dst[part], src[part])
+
+        start = time.perf_counter()
+        list(self.pool.map(copy, parts))
+        return time.perf_counter() - start
+
+    def _mapped(self, ticket):
+        import mmap
+        import os
+
+        import numpy as np
+
+        path = ticket.sender_endpoint["shm"]["path"]
+        if path not in self.maps:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                region = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ)
+            finally:
+                os.close(fd)
+            self.maps[path] = np.frombuffer(region, dtype=np.uint8)
+        return self.maps[path]
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        self.maps.clear()
+
+
 def measure_transport(
     transport: str, sizes: list[int], chunk: int, repeats: int, on_done, copy_threads: int = 0
 ):
-    """GB/s of `fetch` for each size, sender in a child process; returns {size: B/s}."""
+    """GB/s of `fetch` for each size, sender in a child process; returns ({size: B/s},
+    transports used, {size: B/s of `PoolMemcpy`} (shm only, else empty))."""
     from engine.kv_cache import KVCachePool
     from kv_transfer import ExportTicket, make_receiver
+    from kv_transfer.blockio import flat_bytes
 
     blocks = max(sizes) // MIB
     ctx = mp.get_context("spawn")
@@ -325,16 +378,23 @@ def measure_transport(
     parent.recv()
     pool = KVCachePool(_layout(), blocks)
     pool.kv.fill_(1.0)  # touch every page before timing
-    receiver = make_receiver(transport, "bench-decode", pool, _options(chunk, copy_threads))
-    results, used = {}, set()
+    options = _options(chunk, copy_threads)
+    receiver = make_receiver(transport, "bench-decode", pool, options)
+    paired = PoolMemcpy(_shm_lanes(chunk, copy_threads)) if transport == "shm" else None
+    dst = flat_bytes(pool.kv).numpy()
+    results, used, ceiling = {}, set(), {}
     try:
         for size in sizes:
             n = size // MIB
-            best = float("inf")
+            best = best_copy = float("inf")
             for rep in range(repeats + 1):  # the first run warms mappings and pairs
                 parent.send((f"{size}-{rep}", n))
                 ticket = ExportTicket.from_dict(parent.recv())
+                if paired is not None and rep % 2:
+                    best_copy = min(best_copy, paired.seconds(ticket, dst))
                 result = receiver.fetch(ticket, list(range(n)), timeout_s=120)
+                if paired is not None and not rep % 2:
+                    best_copy = min(best_copy, paired.seconds(ticket, dst))
                 parent.send("ack")
                 if not result.ok:
                     raise RuntimeError(result.message)
@@ -342,12 +402,16 @@ def measure_transport(
                 if rep:
                     best = min(best, result.seconds)
             results[size] = size / best
+            if paired is not None:
+                ceiling[size] = size / best_copy
             on_done()
     finally:
         parent.send(None)
         child.join(30)
         receiver.close()
-    return results, sorted(used)
+        if paired is not None:
+            paired.close()
+    return results, sorted(used), ceiling
 
 
 # --- the command ---------------------------------------------------------------------
@@ -380,11 +444,13 @@ def run_transfer_bench(args: argparse.Namespace) -> int:
         bar.update(3 + len(ceilings) + len(peers))
     actual = {}
     for transport in transports:
-        speeds, actual[transport] = measure_transport(
+        speeds, actual[transport], ceiling = measure_transport(
             transport, sizes, chunk, args.repeats, lambda: bar.update(1), args.copy_threads
         )
         for size, speed in speeds.items():
             rows[size][transport] = speed
+            if size in ceiling:
+                rows[size]["pool-memcpy"] = ceiling[size]
     bar.close()
     _print_table(rows, transports, ceilings, actual, peers)
     print(f"memcpy and shm copy on {lanes} lane(s)")
@@ -426,7 +492,8 @@ def _peers(choice: str) -> list[str]:
 def _print_table(
     rows: dict, transports: list[str], ceilings: list[str], actual: dict, peers: list[str]
 ) -> None:
-    cols = ["memcpy", "checksum", "socket", *ceilings, *transports, *peers]
+    paired = ["pool-memcpy"] if all("pool-memcpy" in row for row in rows.values()) else []
+    cols = ["memcpy", *paired, "checksum", "socket", *ceilings, *transports, *peers]
     print(f"{'size':>8} " + " ".join(f"{c:>11}" for c in cols) + "   (GB/s)")
     for size, row in rows.items():
         cells = " ".join(f"{row[c] / 1e9:>11.2f}" for c in cols)
@@ -435,6 +502,13 @@ def _print_table(
     for size, row in rows.items():
         ratios = " ".join(f"{row[t] / row[_baseline(t)]:>11.2f}" for t in [*transports, *peers])
         print(f"{size // MIB:>5}MiB {ratios}")
+    if all("pool-memcpy" in row for row in rows.values()):
+        print(
+            "\nshm/pool-memcpy: against a plain copy of the same pages into the same "
+            "blocks, on as many lanes, timed in turn with each fetch"
+        )
+        for size, row in rows.items():
+            print(f"{size // MIB:>5}MiB {row['shm'] / row['pool-memcpy']:>11.2f}")
     against = [t for t in transports if _CEILING_OF.get(t) in ceilings]
     if against:
         print("\nagainst the bare library: " + ", ".join(f"{t}/{_CEILING_OF[t]}" for t in against))

@@ -10,6 +10,7 @@ block-major: consecutive block ids are consecutive bytes.
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import FIRST_EXCEPTION, Executor, wait
 from dataclasses import dataclass
 
@@ -133,16 +134,25 @@ def copy_pieces_parallel(
     Each lane runs `check()` before each piece (raises to stop: cancellation, deadline),
     then `land(src, dst, offset, corrupt)` with the piece's uint8 views, which copies it
     and verifies it (`BlockVerifier.copy_piece`; `corrupt` when the piece's index is in
-    `corrupt`, receiver-side fault injection). The calling thread waits, calling
-    `tick()` every `tick_s` (lease heartbeats of a long transfer). A failing lane stops
-    the others at their next piece.
+    `corrupt`, receiver-side fault injection). The calling thread copies the first
+    stripe itself (`executor` needs `lanes - 1` threads), calling `tick()` between its
+    pieces once `tick_s` has passed (lease heartbeats of a long transfer), then waits
+    for the others, ticking every `tick_s`. A failing lane stops the others at their
+    next piece.
     Returns (or raises) only once no copy is running, so a caller that frees the
     destination blocks on failure never races a copy into them.
     """
     src_all, dst_all = _numpy(src_flat), _numpy(dst_flat)
     failed = threading.Event()
+    last_tick = [time.monotonic()]
 
-    def copy_stripe(indexes: range) -> None:
+    def check_and_tick() -> None:  # the calling thread's lane keeps the heartbeats going
+        check()
+        if tick is not None and time.monotonic() - last_tick[0] >= tick_s:
+            tick()
+            last_tick[0] = time.monotonic()
+
+    def copy_stripe(indexes: range, check=check) -> None:
         try:
             for i in indexes:
                 if failed.is_set():
@@ -156,8 +166,11 @@ def copy_pieces_parallel(
             failed.set()
             raise
 
-    futures = [executor.submit(copy_stripe, r) for r in stripes(pieces, lanes)]
+    own, *others = stripes(pieces, lanes)
+    futures = [executor.submit(copy_stripe, r) for r in others]
     try:
+        # The calling thread copies a stripe itself: one thread handoff fewer per fetch.
+        copy_stripe(own, check_and_tick)
         while True:
             _, pending = wait(futures, timeout=tick_s, return_when=FIRST_EXCEPTION)
             if not pending or failed.is_set():

@@ -44,9 +44,10 @@ def checksum(data: np.ndarray, algo: str) -> int:
     raise ValueError(f"unknown checksum {algo!r}")
 
 
-CACHE_STEP = 256 << 10
-"""Bytes copied, then summed, at a time by `copy_piece`: the step's source and
-destination stay well inside one core's L2 (1-2 MiB on the CPUs we run on)."""
+CACHE_STEP = 1 << 20
+"""Bytes copied, then summed, at a time by `copy_piece`: what was just written is still
+in one core's L2 (1-2 MiB on the CPUs we run on). Smaller steps lose more to handing
+the GIL between copy lanes than they gain in cache hits (docs/kv_transfer.md, runs F)."""
 
 
 class _Crc32Stream:

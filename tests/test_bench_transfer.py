@@ -21,6 +21,8 @@ def test_bench_transfer_measures_every_transport_and_ceiling(tmp_path):
         "grpc": ["grpc"],
     }
     (row,) = report["results"]
-    for column in ("memcpy", "socket", "gloo-bare", "grpc-bare", "shm", "collective", "grpc"):
+    columns = ("memcpy", "pool-memcpy", "socket", "gloo-bare", "grpc-bare", "shm")
+    for column in (*columns, "collective", "grpc"):
         assert row[column] > 0, column
     assert "against the bare library" in result.stdout
+    assert "shm/pool-memcpy" in result.stdout

@@ -7,6 +7,7 @@ import itertools
 import os
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -198,6 +199,26 @@ def test_parallel_copy_is_exact_and_drains_before_a_failure_returns(failing_chec
                 copy()
             assert not running  # nothing still writes into blocks the caller will free
             assert len(verified) <= failing_check < len(pieces)
+
+
+def test_the_calling_threads_lane_keeps_the_heartbeats_going():
+    """The caller copies a stripe itself; a transfer longer than a heartbeat period
+    must still beat from there, not only once every lane is done."""
+    src = torch.randint(0, 255, (8 * 4096,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    pieces = plan_pieces(list(range(8)), list(range(8)), 4096, 4096)
+    beats: list[str] = []
+
+    def land(src_piece, dst_piece, offset, corrupt):
+        dst_piece[:] = src_piece
+
+    with ThreadPoolExecutor(1) as pool:
+        copy_pieces_parallel(
+            flat_bytes(src), flat_bytes(dst), pieces, set(), lambda: None, land, pool, 2,
+            tick=lambda: beats.append(threading.current_thread().name), tick_s=0.0,
+        )  # fmt: skip
+    assert torch.equal(dst, src)
+    assert beats.count(threading.main_thread().name) >= 4  # one per piece of its stripe
 
 
 def test_stripes_split_pieces_into_contiguous_lanes_of_equal_bytes():

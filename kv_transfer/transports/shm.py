@@ -215,7 +215,7 @@ class ShmReceiver(TransportReceiver):
         self._idle_lock = threading.Lock()
         self.copy_lanes = copy_lanes(options)
         self._copier = (
-            ThreadPoolExecutor(self.copy_lanes, thread_name_prefix="kv-shm-copy")
+            ThreadPoolExecutor(self.copy_lanes - 1, thread_name_prefix="kv-shm-copy")
             if self.copy_lanes > 1
             else None
         )
