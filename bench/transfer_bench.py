@@ -7,7 +7,8 @@ and exports a request per repetition; this process is the receiver and times
 a plain TCP socket from a child process into a preallocated buffer, a memcpy between
 two buffers of this process on as many threads as the shm receiver copies with, and
 (`pool-memcpy`, shm only) that copy from the same mapped pages of the sender's pool into
-the same destination blocks, timed in turn with each shm fetch. Library ceilings, also from a child process into a preallocated buffer: bare
+the same destination blocks, timed in turn with each shm fetch (`grpc-paired` is the
+bare grpcio stream below timed the same way, in turn with each grpc fetch). Library ceilings, also from a child process into a preallocated buffer: bare
 gloo send/recv of the same pieces (`gloo-bare`) and a bare grpcio stream of the same
 messages (`grpc-bare`), with none of our code (no registry, no checksums), so each
 transport's own overhead reads as transport / ceiling. Optional peers, when installed
@@ -175,8 +176,9 @@ def _grpc_sender_main(conn, size: int, message: int, options: list) -> None:
     data = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
 
     def stream(request, context):
-        for offset in range(0, size, message):
-            yield data[offset : offset + message].tobytes()
+        wanted = int(request) if request else size  # the request names its byte count
+        for offset in range(0, wanted, message):
+            yield data[offset : min(offset + message, wanted)].tobytes()
 
     handler = grpc.method_handlers_generic_handler(
         "bench.Bare",
@@ -266,35 +268,57 @@ def measure_gloo_bare(size: int, piece: int, repeats: int) -> float:
     return size / best
 
 
+class BareGrpc:
+    """A bare grpcio server stream of `bytes` messages from a child process: the grpc
+    transport's message size and channel options, none of its code. `seconds(ticket)`
+    times one call for as many bytes as the ticket's blocks (a paired ceiling, timed in
+    turn with each grpc fetch), `seconds_for(size)` for any size up to `max_size`."""
+
+    def __init__(self, max_size: int, chunk: int):
+        import grpc
+        import numpy as np
+
+        from kv_transfer.transports.grpc import MESSAGE_BYTES, _channel_options
+
+        options = _channel_options(_options(chunk))
+        ctx = mp.get_context("spawn")
+        self.parent, child_conn = ctx.Pipe()
+        self.child = ctx.Process(
+            target=_grpc_sender_main, args=(child_conn, max_size, MESSAGE_BYTES, options)
+        )
+        self.child.start()
+        port = self.parent.recv()
+        self.buf = np.empty(max_size, dtype=np.uint8)
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=options)
+        self.call = self.channel.unary_stream("/bench.Bare/Stream", lambda b: b, lambda b: b)
+        self.seconds_for(min(MIB, max_size))  # the first call connects
+
+    def seconds(self, ticket) -> float:
+        return self.seconds_for(len(ticket.block_ids) * MIB)
+
+    def seconds_for(self, size: int) -> float:
+        import numpy as np
+
+        start = time.perf_counter()
+        offset = 0
+        for message in self.call(str(size).encode()):
+            self.buf[offset : offset + len(message)] = np.frombuffer(message, dtype=np.uint8)
+            offset += len(message)
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self.channel.close()
+        self.parent.send("stop")
+        self.child.join()
+
+
 def measure_grpc_bare(size: int, chunk: int, repeats: int) -> float:
-    """Bare grpcio server stream of `bytes` messages: the grpc transport's message size
-    and channel options, none of its code."""
-    import grpc
-    import numpy as np
-
-    from kv_transfer.transports.grpc import MESSAGE_BYTES, _channel_options
-
-    options = _channel_options(_options(chunk))
-    ctx = mp.get_context("spawn")
-    parent, child_conn = ctx.Pipe()
-    child = ctx.Process(target=_grpc_sender_main, args=(child_conn, size, MESSAGE_BYTES, options))
-    child.start()
-    port = parent.recv()
-    buf = np.empty(size, dtype=np.uint8)
-    best = float("inf")
-    with grpc.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
-        call = channel.unary_stream("/bench.Bare/Stream", lambda b: b, lambda b: b)
-        for rep in range(repeats + 1):  # the first call connects
-            start = time.perf_counter()
-            offset = 0
-            for message in call(b""):
-                buf[offset : offset + len(message)] = np.frombuffer(message, dtype=np.uint8)
-                offset += len(message)
-            if rep:
-                best = min(best, time.perf_counter() - start)
-    parent.send("stop")
-    child.join()
-    return size / best
+    """Best of `repeats` bare grpcio streams of `size` bytes (`BareGrpc`)."""
+    bare = BareGrpc(size, chunk)
+    try:
+        return size / min(bare.seconds_for(size) for _ in range(repeats))
+    finally:
+        bare.close()
 
 
 def measure_checksum(size: int, repeats: int) -> float:
@@ -318,17 +342,18 @@ class PoolMemcpy:
     threads as the receiver copies with, timed in turn with each fetch (the copy that
     runs second finds the source in cache, so the order alternates)."""
 
-    def __init__(self, lanes: int):
+    def __init__(self, lanes: int, dst):
         from concurrent.futures import ThreadPoolExecutor
 
         self.lanes = lanes
+        self.dst = dst  # the receiver pool's bytes
         self.pool = ThreadPoolExecutor(lanes)
         self.maps: dict[str, object] = {}
 
-    def seconds(self, ticket, dst) -> float:
+    def seconds(self, ticket) -> float:
         import numpy as np
 
-        src = self._mapped(ticket)
+        src, dst = self._mapped(ticket), self.dst
         nbytes = len(ticket.block_ids) * MIB  # the bench exports blocks 0..n-1 into 0..n-1
         step = -(-nbytes // self.lanes)
         parts = [slice(o, min(o + step, nbytes)) for o in range(0, nbytes, step)]
@@ -365,7 +390,8 @@ def measure_transport(
     transport: str, sizes: list[int], chunk: int, repeats: int, on_done, copy_threads: int = 0
 ):
     """GB/s of `fetch` for each size, sender in a child process; returns ({size: B/s},
-    transports used, {size: B/s of `PoolMemcpy`} (shm only, else empty))."""
+    transports used, {size: B/s of the transport's paired ceiling}: `PoolMemcpy` for
+    shm, `BareGrpc` for grpc, timed in turn with each fetch; empty for the others)."""
     from engine.kv_cache import KVCachePool
     from kv_transfer import ExportTicket, make_receiver
     from kv_transfer.blockio import flat_bytes
@@ -380,8 +406,11 @@ def measure_transport(
     pool.kv.fill_(1.0)  # touch every page before timing
     options = _options(chunk, copy_threads)
     receiver = make_receiver(transport, "bench-decode", pool, options)
-    paired = PoolMemcpy(_shm_lanes(chunk, copy_threads)) if transport == "shm" else None
-    dst = flat_bytes(pool.kv).numpy()
+    paired = None
+    if transport == "shm":
+        paired = PoolMemcpy(_shm_lanes(chunk, copy_threads), flat_bytes(pool.kv).numpy())
+    elif transport == "grpc":
+        paired = BareGrpc(max(sizes), chunk)
     results, used, ceiling = {}, set(), {}
     try:
         for size in sizes:
@@ -391,10 +420,10 @@ def measure_transport(
                 parent.send((f"{size}-{rep}", n))
                 ticket = ExportTicket.from_dict(parent.recv())
                 if paired is not None and rep % 2:
-                    best_copy = min(best_copy, paired.seconds(ticket, dst))
+                    best_copy = min(best_copy, paired.seconds(ticket))
                 result = receiver.fetch(ticket, list(range(n)), timeout_s=120)
                 if paired is not None and not rep % 2:
-                    best_copy = min(best_copy, paired.seconds(ticket, dst))
+                    best_copy = min(best_copy, paired.seconds(ticket))
                 parent.send("ack")
                 if not result.ok:
                     raise RuntimeError(result.message)
@@ -450,7 +479,7 @@ def run_transfer_bench(args: argparse.Namespace) -> int:
         for size, speed in speeds.items():
             rows[size][transport] = speed
             if size in ceiling:
-                rows[size]["pool-memcpy"] = ceiling[size]
+                rows[size][PAIRED_CEILING[transport]] = ceiling[size]
     bar.close()
     _print_table(rows, transports, ceilings, actual, peers)
     print(f"memcpy and shm copy on {lanes} lane(s)")
@@ -465,6 +494,10 @@ def _shm_lanes(chunk: int, copy_threads: int) -> int:
 
     return copy_lanes(_options(chunk, copy_threads))
 
+
+PAIRED_CEILING = {"shm": "pool-memcpy", "grpc": "grpc-paired"}
+"""The ceiling measured in turn with each fetch of the transport (`measure_transport`):
+the shm copy without our code (`PoolMemcpy`), the bare grpcio stream (`BareGrpc`)."""
 
 _CEILING_OF = {"collective": "gloo-bare", "grpc": "grpc-bare"}
 """The bare library under each transport that has one (skipped with --no-ceilings)."""
@@ -492,8 +525,8 @@ def _peers(choice: str) -> list[str]:
 def _print_table(
     rows: dict, transports: list[str], ceilings: list[str], actual: dict, peers: list[str]
 ) -> None:
-    paired = ["pool-memcpy"] if all("pool-memcpy" in row for row in rows.values()) else []
-    cols = ["memcpy", *paired, "checksum", "socket", *ceilings, *transports, *peers]
+    paired = [PAIRED_CEILING[t] for t in transports if t in PAIRED_CEILING]
+    cols = ["memcpy", "checksum", "socket", *ceilings, *paired, *transports, *peers]
     print(f"{'size':>8} " + " ".join(f"{c:>11}" for c in cols) + "   (GB/s)")
     for size, row in rows.items():
         cells = " ".join(f"{row[c] / 1e9:>11.2f}" for c in cols)
@@ -502,13 +535,13 @@ def _print_table(
     for size, row in rows.items():
         ratios = " ".join(f"{row[t] / row[_baseline(t)]:>11.2f}" for t in [*transports, *peers])
         print(f"{size // MIB:>5}MiB {ratios}")
-    if all("pool-memcpy" in row for row in rows.values()):
-        print(
-            "\nshm/pool-memcpy: against a plain copy of the same pages into the same "
-            "blocks, on as many lanes, timed in turn with each fetch"
-        )
+    paired = [t for t in transports if t in PAIRED_CEILING]
+    if paired:
+        names = ", ".join(f"{t}/{PAIRED_CEILING[t]}" for t in paired)
+        print(f"\nagainst the paired ceiling, timed in turn with each fetch: {names}")
         for size, row in rows.items():
-            print(f"{size // MIB:>5}MiB {row['shm'] / row['pool-memcpy']:>11.2f}")
+            ratios = " ".join(f"{row[t] / row[PAIRED_CEILING[t]]:>11.2f}" for t in paired)
+            print(f"{size // MIB:>5}MiB {ratios}")
     against = [t for t in transports if _CEILING_OF.get(t) in ceilings]
     if against:
         print("\nagainst the bare library: " + ", ".join(f"{t}/{_CEILING_OF[t]}" for t in against))

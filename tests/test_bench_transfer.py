@@ -21,8 +21,8 @@ def test_bench_transfer_measures_every_transport_and_ceiling(tmp_path):
         "grpc": ["grpc"],
     }
     (row,) = report["results"]
-    columns = ("memcpy", "pool-memcpy", "socket", "gloo-bare", "grpc-bare", "shm")
-    for column in (*columns, "collective", "grpc"):
+    columns = ("memcpy", "pool-memcpy", "grpc-paired", "socket", "gloo-bare", "grpc-bare")
+    for column in (*columns, "shm", "collective", "grpc"):
         assert row[column] > 0, column
     assert "against the bare library" in result.stdout
-    assert "shm/pool-memcpy" in result.stdout
+    assert "shm/pool-memcpy, grpc/grpc-paired" in result.stdout
