@@ -343,21 +343,28 @@ async def consume(flow, req, count=None):
     return chunks
 
 
-def test_a_finished_request_acks_the_export_and_releases_every_claim():
+def run_to_the_end(generate=tokens_of):
+    """One request through ungated fake workers until its stream ends; the request is
+    closed as finished. Returns (chunks, prefill worker, decode worker, request, workers)."""
+
     async def main():
         prefill = FakeWorker("prefill-0", "prefill", {"prefill": result_of})
-        decode = FakeWorker("decode-0", "decode", {"generate": tokens_of})
+        decode = FakeWorker("decode-0", "decode", {"generate": generate})
         prefill.gate.set(), decode.gate.set()
         flow, workers = cluster_of(prefill, decode)
         req = open_request()
         chunks = await consume(flow, req)
         req.close("finished")
-        return chunks, prefill.calls, decode.calls, workers
+        return chunks, prefill, decode, req, workers
 
-    chunks, prefill_calls, decode_calls, workers = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_a_finished_request_acks_the_export_and_releases_every_claim():
+    chunks, prefill, decode, _, workers = run_to_the_end()
     assert [c.token_ids for c in chunks] == [[7], [8], [9]]
-    assert prefill_calls == [("prefill", "r1"), ("ack", "r1")]
-    assert decode_calls == [("generate", "r1")]  # nothing left to abort
+    assert prefill.calls == [("prefill", "r1"), ("ack", "r1")]
+    assert decode.calls == [("generate", "r1")]  # nothing left to abort
     assert [w.in_flight for w in workers.values()] == [0, 0]
 
 
@@ -372,19 +379,9 @@ def test_a_worker_that_dies_after_its_last_token_does_not_decode_the_request_aga
         if deaths:
             raise deaths.pop()
 
-    async def main():
-        prefill = FakeWorker("prefill-0", "prefill", {"prefill": result_of})
-        decode = FakeWorker("decode-0", "decode", {"generate": tokens_then_death})
-        prefill.gate.set(), decode.gate.set()
-        flow, workers = cluster_of(prefill, decode)
-        req = open_request()
-        chunks = await consume(flow, req)
-        req.close("finished")
-        return chunks, decode.calls, req, workers
-
-    chunks, decode_calls, req, workers = asyncio.run(main())
+    chunks, _, decode, req, workers = run_to_the_end(tokens_then_death)
     assert [c.token_ids for c in chunks] == [[7], [8], [9]]
-    assert decode_calls == [("generate", "r1")]
+    assert decode.calls == [("generate", "r1")]
     assert req.timeline.recoveries == []
     assert [w.in_flight for w in workers.values()] == [0, 0]
 
