@@ -46,8 +46,10 @@ class EngineLoop:
         on_iteration: Callable[[LLMEngine], None] | None = None,
         on_abort: Callable[[LLMEngine, str], None] | None = None,
         on_outputs: Callable[[LLMEngine, list[SequenceOutput]], list] | None = None,
+        track_stepping: bool = False,
     ):
         self.engine = engine
+        self.track_stepping = track_stepping
         self.on_iteration = on_iteration
         self.on_abort = on_abort
         self.on_outputs = on_outputs
@@ -57,9 +59,10 @@ class EngineLoop:
         self.wakeup = threading.Event()
         self.running = True
         self.stepping: dict[str, str] | None = None
-        """While a step runs, its engine's requests as they were when it began
-        (`LLMEngine.request_states`), for readers that must not wait for the step to end
-        (a prefill worker's debug state: one prefill step can take seconds); else None."""
+        """With `track_stepping`, while a step runs: its engine's requests as they were
+        when it began (`LLMEngine.request_states`), for readers that must not wait for the
+        step to end (a prefill worker's debug state: one prefill step can take seconds);
+        else None. Off by default: it costs a snapshot per step that only they read."""
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.thread.start()
 
@@ -122,7 +125,8 @@ class EngineLoop:
                 self.wakeup.wait(_IDLE_WAIT_S)
                 self.wakeup.clear()
                 continue
-            self.stepping = self.engine.request_states()
+            if self.track_stepping:
+                self.stepping = self.engine.request_states()
             try:
                 outputs = self.engine.step()
             except Exception:

@@ -80,6 +80,7 @@ class PrefillWorker(EngineActor):
             on_iteration=self._free_released,
             on_abort=self._release_export,
             on_outputs=self._export_prefilled,
+            track_stepping=True,  # `debug_state` answers during a step
         )
 
     def _free_released(self, engine: LLMEngine) -> None:

@@ -499,7 +499,7 @@ def test_a_step_in_progress_shows_the_requests_it_holds(tiny_llama_dir):
     engine.step_delay_s = 0.3
 
     async def scenario():
-        loop = EngineLoop(engine)
+        loop = EngineLoop(engine, track_stepping=True)
         try:
             assert loop.stepping is None
             await loop.call(
