@@ -8,9 +8,10 @@ a plain TCP socket from a child process into a preallocated buffer, a memcpy bet
 two buffers of this process on as many threads as the shm receiver copies with, and
 (`pool-memcpy`, shm only) that copy from the same mapped pages of the sender's pool into
 the same destination blocks, timed in turn with each shm fetch (`grpc-paired` is the
-bare grpcio stream below timed the same way, in turn with each grpc fetch). Library ceilings, also from a child process into a preallocated buffer: bare
-gloo send/recv of the same pieces (`gloo-bare`) and a bare grpcio stream of the same
-messages (`grpc-bare`), with none of our code (no registry, no checksums), so each
+bare grpcio stream below timed the same way, in turn with each grpc fetch). Library
+ceilings, also from a child process into a preallocated buffer: bare gloo send/recv of
+the same pieces (`gloo-bare`) and a bare grpcio stream of the same messages
+(`grpc-bare`), with none of our code (no registry, no checksums), so each
 transport's own overhead reads as transport / ceiling. Optional peers, when installed
 (`make peers`): NIXL over UCX and the Mooncake transfer engine over TCP, each reading
 the sender child's registered CPU buffer (bench/transfer_peers.py). Each figure is the
@@ -195,6 +196,12 @@ def _grpc_sender_main(conn, size: int, message: int, options: list) -> None:
 # --- measurements --------------------------------------------------------------------
 
 
+def lane_slices(nbytes: int, lanes: int) -> list[slice]:
+    """`nbytes` cut into at most `lanes` contiguous slices of about equal size."""
+    step = -(-nbytes // lanes)
+    return [slice(o, min(o + step, nbytes)) for o in range(0, nbytes, step)]
+
+
 def measure_memcpy(size: int, repeats: int, lanes: int = 1) -> float:
     """Best-of memcpy of `size` bytes split over `lanes` threads (numpy copies release the
     GIL), so the shm transport is compared with a copy on as many threads as it uses."""
@@ -205,8 +212,7 @@ def measure_memcpy(size: int, repeats: int, lanes: int = 1) -> float:
     src = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
     dst = np.empty_like(src)
     dst[:] = src
-    step = -(-size // lanes)
-    slices = [slice(o, min(o + step, size)) for o in range(0, size, step)]
+    slices = lane_slices(size, lanes)
 
     def copy(part: slice) -> None:
         dst[part] = src[part]
@@ -355,8 +361,7 @@ class PoolMemcpy:
 
         src, dst = self._mapped(ticket), self.dst
         nbytes = len(ticket.block_ids) * MIB  # the bench exports blocks 0..n-1 into 0..n-1
-        step = -(-nbytes // self.lanes)
-        parts = [slice(o, min(o + step, nbytes)) for o in range(0, nbytes, step)]
+        parts = lane_slices(nbytes, self.lanes)
 
         def copy(part: slice) -> None:
             np.copyto(dst[part], src[part])
