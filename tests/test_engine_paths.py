@@ -7,7 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention import TorchPagedAttention, make_attention_backend
+from engine.attention import (
+    AttentionMetadata,
+    PrefillChunk,
+    TorchPagedAttention,
+    make_attention_backend,
+)
 from engine.layer_ops import Linear
 from engine.model import LlamaForward
 from engine.model_runner import ModelRunner
@@ -167,6 +172,46 @@ def test_every_available_attention_backend_agrees_on_a_decode_step(tiny_llama_di
         torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5, msg=name)
     for chunk in chunks:
         engine.abort(chunk.seq.request_id)
+    assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize(
+    ("context_start", "query_len"),
+    [(0, 1), (0, 7), (0, 45), (9, 13), (32, 20)],  # tails of the 6-row tiles, block edges
+)
+def test_every_available_attention_backend_agrees_on_a_prefill_chunk(
+    tiny_llama_dir, context_start, query_len
+):
+    """A chunk attends causally to its cached context and itself, read from the pool."""
+    engine = make_engine(tiny_llama_dir)
+    spec, block_size = engine.spec, engine.config.block_size
+    length = context_start + query_len
+    blocks = engine.allocator.allocate(-(-length // block_size), "chunk")
+    table = torch.tensor(blocks, dtype=torch.int64)
+    positions = torch.arange(length)
+    slot_blocks, slot_offsets = table[positions // block_size], positions % block_size
+    generator = torch.Generator().manual_seed(4)
+    keys, values = (
+        torch.randn(length, spec.num_kv_heads, spec.head_dim, generator=generator) for _ in range(2)
+    )
+    engine.kv_pool.write_slots(1, slot_blocks, slot_offsets, keys, values)
+    decode_rows = 2  # a chunk sits after the step's decode rows in the packed batch
+    q = torch.randn(decode_rows + query_len, spec.num_heads, spec.head_dim, generator=generator)
+    new = slice(context_start, length)
+    chunk = PrefillChunk(decode_rows, query_len, context_start, table)
+    meta = AttentionMetadata(slot_blocks[new], slot_offsets[new], prefill_chunks=[chunk])
+    scale = spec.head_dim**-0.5
+    rows = slice(decode_rows, None)
+    padded_kv = [
+        torch.cat([torch.zeros(decode_rows, *t.shape[1:]), t[new]]) for t in (keys, values)
+    ]
+
+    reference = TorchPagedAttention().forward(q, *padded_kv, engine.kv_pool, 1, meta, scale)
+    for name in available_backends(torch.float32):
+        backend = make_attention_backend(name, torch.float32, "cpu")
+        out = backend.forward(q, *padded_kv, engine.kv_pool, 1, meta, scale)
+        torch.testing.assert_close(out[rows], reference[rows], atol=1e-5, rtol=1e-5, msg=name)
+    engine.allocator.free(blocks)
     assert_no_leaks(engine)
 
 

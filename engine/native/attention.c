@@ -1,6 +1,7 @@
 /* Attention on the paged pool, read in place: rotary embedding + KV store of a step's
  * new tokens, decode attention (each row over its own blocks), and the gather a
- * prefill chunk after cached context needs for torch's SDPA.
+ * prefill chunk after cached context needs for torch's SDPA (the head dims
+ * prefill_attention.c does not take).
  *
  * Decode: a work item is one sequence's span of blocks, all heads. It makes one pass
  * over its blocks, each block's keys then values (one contiguous piece of the pool,

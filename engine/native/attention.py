@@ -2,8 +2,10 @@
 
 Decode rows read their blocks where they lie in the pool (`pd_decode_attention`), so a
 decode step no longer copies every block of every sequence into a dense tensor per
-layer (10-16% of a batch-16 step with the gather). Prefill chunks keep torch's CPU
-flash SDPA; a chunk after cached context gathers it with `pd_gather_kv`.
+layer (10-16% of a batch-16 step with the gather). A prefill chunk, fresh or after
+cached context, runs as register-tiled matmuls over its sequence's blocks
+(`pd_prefill_attention`); torch's CPU flash SDPA (the chunk's own keys, or the context
+gathered with `pd_gather_kv`) takes the head dims that kernel does not.
 """
 
 from __future__ import annotations
@@ -47,6 +49,34 @@ class NativePagedAttention(TorchPagedAttention):
         )
         if status != 0:
             super()._decode(q, kv_pool, layer, meta, scale, out)
+
+    def _prefill(self, q, k, v, kv_pool, layer: int, chunk: PrefillChunk, scale):
+        keys, values = kv_pool.layer_view(layer, 0), kv_pool.layer_view(layer, 1)
+        num_rows, num_heads, head_dim = q.shape
+        if q.stride(2) != 1 or q.stride(1) != head_dim or not chunk.block_table.is_contiguous():
+            return super()._prefill(q, k, v, kv_pool, layer, chunk, scale)
+        out = torch.empty(num_rows, num_heads, head_dim)
+        status = self.kernels.prefill_attention(
+            q.data_ptr(),
+            q.stride(0),
+            num_rows,
+            num_heads,
+            keys.shape[2],
+            head_dim,
+            keys.data_ptr(),
+            values.data_ptr(),
+            keys.stride(0),
+            keys.shape[1],
+            chunk.block_table.data_ptr(),
+            chunk.context_start,
+            scale,
+            out.data_ptr(),
+            num_heads * head_dim,
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            return super()._prefill(q, k, v, kv_pool, layer, chunk, scale)
+        return out
 
     def _context(self, kv_pool, layer: int, chunk: PrefillChunk):
         keys, values = kv_pool.layer_view(layer, 0), kv_pool.layer_view(layer, 1)

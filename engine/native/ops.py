@@ -1,4 +1,5 @@
-"""The layer operations (`engine.layer_ops`) on the float32 CPU kernels (linear.c, attention.c).
+"""The layer operations (`engine.layer_ops`) on the float32 CPU kernels (linear.c, attention.c,
+prefill_attention.c).
 
 At load, `prepare_linear` packs each projection into strips of `strip` output columns
 ([N / strip][K][strip]) so that every matmul streams its weight sequentially; the
@@ -35,6 +36,10 @@ _SIGNATURES = {
         _I,
     ),
     "pd_gather_kv": ([_P, _P, _L, _L, _L, _L, _P, _L, _P, _P, _I], None),
+    "pd_prefill_attention": (
+        [_P, _L, _L, _L, _L, _L, _P, _P, _L, _L, _P, _L, _F, _P, _L, _I],
+        _I,
+    ),
 }
 
 
@@ -51,6 +56,7 @@ class NativeKernels:
         self.rope_store = library.pd_rope_store
         self.decode_attention = library.pd_decode_attention
         self.gather_kv = library.pd_gather_kv
+        self.prefill_attention = library.pd_prefill_attention
 
 
 @functools.cache

@@ -1,0 +1,185 @@
+/* Causal attention of one prefill chunk over its sequence's paged KV, read from the pool
+ * (the chunk's own keys and values are already there: rope_store runs first).
+ *
+ * Query row i of the chunk sits at position context_start + i and attends to keys
+ * [0, context_start + i]. The work is two small matmuls per query head, so it runs as
+ * register tiles like linear.c, not as one dot product per key like the decode kernel
+ * (which reloads every key for every query and reduces each score across lanes):
+ *  1. the team gathers each kv head's context once: keys transposed to [D][n] (a
+ *     vector holds 8 keys), values to [n][D], both zero-padded to whole tiles;
+ *  2. an item is PA_ROWS query rows of one query head: scores for PA_ROWS x 16 keys
+ *     at a time (12 accumulators over D), an exact softmax per row over its causal
+ *     prefix, then probabilities x values for PA_ROWS x 16 value columns at a time.
+ * Eight-wide vectors whatever the ISA, as in attention.c. Items are independent and
+ * each one's arithmetic is fixed by the shapes alone, so the result does not depend on
+ * the thread count. On the demo model's shapes (9 query heads
+ * over 3 kv heads, D 64), 2 threads of the EPYC (AVX2): 256-token chunk 0.77 ms against
+ * 2.0 ms for torch's CPU flash SDPA, 512 tokens 3.1 against 7.3 ms (~97 GFLOP/s).
+ */
+#include "native.h"
+
+#define PA_ROWS 6  /* query rows per tile: PA_ROWS x 2 vectors of accumulators */
+#define PA_COLS 16 /* keys (scores) or value columns per tile */
+
+typedef struct {
+  const float *q;
+  long ldq, T, Hq, Hkv, D;
+  const float *k_cache, *v_cache;
+  long block_stride, block_size;
+  const int64_t *table;
+  long context_start;
+  float scale;
+  float *out;
+  long ldo;
+  long n, n_pad; /* keys attended by the last row; rounded up to PA_COLS */
+  float *keys_t; /* [Hkv][D][n_pad] */
+  float *values; /* [Hkv][n_pad][D] */
+} prefill_args;
+
+static const float *pool_row(const prefill_args *a, const float *cache, long t, long h) {
+  return cache + a->table[t / a->block_size] * a->block_stride +
+         (t % a->block_size) * a->Hkv * a->D + h * a->D;
+}
+
+static void gather_context(const prefill_args *a) {
+  long D = a->D;
+#pragma omp for schedule(static)
+  for (long t = 0; t < a->n_pad; t++)
+    for (long h = 0; h < a->Hkv; h++) {
+      float *kt = a->keys_t + h * D * a->n_pad + t, *v = a->values + (h * a->n_pad + t) * D;
+      if (t < a->n) {
+        const float *k_src = pool_row(a, a->k_cache, t, h);
+        for (long d = 0; d < D; d++) kt[d * a->n_pad] = k_src[d];
+        memcpy(v, pool_row(a, a->v_cache, t, h), sizeof(float) * (size_t)D);
+      } else {
+        for (long d = 0; d < D; d++) kt[d * a->n_pad] = 0.0f;
+        memset(v, 0, sizeof(float) * (size_t)D);
+      }
+    }
+}
+
+/* scores[i][t] = qs[i] . k_t for t < n_tile (a multiple of PA_COLS). */
+static void tile_scores(const float *qs, const float *kt, long n_pad, long D, long n_tile,
+                        float *scores, long ld_scores) {
+  for (long t0 = 0; t0 < n_tile; t0 += PA_COLS) {
+    f8 acc[PA_ROWS][2];
+    for (int i = 0; i < PA_ROWS; i++) acc[i][0] = acc[i][1] = splat8(0.0f);
+    for (long d = 0; d < D; d++) {
+      const float *k = kt + d * n_pad + t0;
+      f8 k0 = LOAD8(k), k1 = LOAD8(k + 8);
+      for (int i = 0; i < PA_ROWS; i++) {
+        f8 qv = splat8(qs[i * D + d]);
+        acc[i][0] += qv * k0;
+        acc[i][1] += qv * k1;
+      }
+    }
+    for (int i = 0; i < PA_ROWS; i++) {
+      STORE8(scores + i * ld_scores + t0, acc[i][0]);
+      STORE8(scores + i * ld_scores + t0 + 8, acc[i][1]);
+    }
+  }
+}
+
+/* Row i keeps keys [0, limit): exp(score - max) there, 0 after; returns 1 / their sum. */
+static float row_softmax(float *row, long limit, long n_tile) {
+  f8 peaks = splat8(-INFINITY);
+  long t = 0;
+  for (; t + 8 <= limit; t += 8) {
+    f8 v = LOAD8(row + t);
+    i8 above = v > peaks;
+    peaks = (f8)(((i8)v & above) | ((i8)peaks & ~above));
+  }
+  float peak = -INFINITY, sum = 0.0f;
+  for (int lane = 0; lane < 8; lane++) peak = peaks[lane] > peak ? peaks[lane] : peak;
+  for (; t < limit; t++) peak = row[t] > peak ? row[t] : peak;
+  t = 0;
+  f8 acc = splat8(0.0f);
+  for (; t + 8 <= limit; t += 8) {
+    f8 e = vexp8(LOAD8(row + t) - splat8(peak));
+    STORE8(row + t, e);
+    acc += e;
+  }
+  for (int lane = 0; lane < 8; lane++) sum += acc[lane];
+  for (; t < limit; t++) {
+    row[t] = sexp(row[t] - peak);
+    sum += row[t];
+  }
+  for (; t < n_tile; t++) row[t] = 0.0f;
+  return 1.0f / sum;
+}
+
+/* out[i][d0 + c] = inv[i] * sum_t p[i][t] v[t][d0 + c], PA_COLS columns at a time. */
+static void tile_values(const float *p, long ld_p, const float *v, long D, long n_tile,
+                        const float *inv, long rows, float *out, long ldo) {
+  for (long d0 = 0; d0 < D; d0 += PA_COLS) {
+    f8 acc[PA_ROWS][2];
+    for (int i = 0; i < PA_ROWS; i++) acc[i][0] = acc[i][1] = splat8(0.0f);
+    for (long t = 0; t < n_tile; t++) {
+      f8 v0 = LOAD8(v + t * D + d0), v1 = LOAD8(v + t * D + d0 + 8);
+      for (int i = 0; i < PA_ROWS; i++) {
+        f8 w = splat8(p[i * ld_p + t]);
+        acc[i][0] += w * v0;
+        acc[i][1] += w * v1;
+      }
+    }
+    for (long i = 0; i < rows; i++) {
+      STORE8(out + i * ldo + d0, acc[i][0] * splat8(inv[i]));
+      STORE8(out + i * ldo + d0 + 8, acc[i][1] * splat8(inv[i]));
+    }
+  }
+}
+
+/* Rows [r0, r0 + rows) of query head j. scratch: PA_ROWS * (D + n_pad) floats. */
+static void attend_tile(const prefill_args *a, long r0, long rows, long j, float *scratch) {
+  long D = a->D, h = j / (a->Hq / a->Hkv);
+  float *qs = scratch, *scores = scratch + PA_ROWS * D, inv[PA_ROWS];
+  for (long i = 0; i < PA_ROWS; i++)
+    for (long d = 0; d < D; d++)
+      qs[i * D + d] = i < rows ? a->q[(r0 + i) * a->ldq + j * D + d] * a->scale : 0.0f;
+  long last_limit = a->context_start + r0 + rows;
+  long n_tile = (last_limit + PA_COLS - 1) / PA_COLS * PA_COLS;
+  tile_scores(qs, a->keys_t + h * D * a->n_pad, a->n_pad, D, n_tile, scores, a->n_pad);
+  for (long i = 0; i < PA_ROWS; i++) {
+    float *row = scores + i * a->n_pad;
+    if (i < rows)
+      inv[i] = row_softmax(row, a->context_start + r0 + i + 1, n_tile);
+    else
+      memset(row, 0, sizeof(float) * (size_t)n_tile); /* a padding row weighs nothing */
+  }
+  tile_values(scores, a->n_pad, a->values + h * a->n_pad * D, D, n_tile, inv, rows,
+              a->out + r0 * a->ldo + j * D, a->ldo);
+}
+
+/* q: the chunk's T rows [T, Hq * D] at stride ldq; out likewise at ldo; table: the
+ * sequence's blocks covering [0, context_start + T). Returns -1 (nothing done) for
+ * shapes it does not take: a head dim that is not a multiple of 16, or query heads
+ * that are not a multiple of the kv heads. */
+int pd_prefill_attention(const float *q, long ldq, long T, long Hq, long Hkv, long D,
+                         const float *k_cache, const float *v_cache, long block_stride,
+                         long block_size, const int64_t *table, long context_start,
+                         float scale, float *out, long ldo, int nthreads) {
+  if (D % PA_COLS || Hkv <= 0 || Hq % Hkv || T <= 0) return -1;
+  long n = context_start + T, n_pad = (n + PA_COLS - 1) / PA_COLS * PA_COLS;
+  float *keys_t = aligned_alloc(64, sizeof(float) * (size_t)(2 * Hkv * D * n_pad));
+  if (!keys_t) return -1;
+  prefill_args a = {q,     ldq,   T,    Hq,   Hkv,    D,     k_cache, v_cache, block_stride,
+                    block_size, table, context_start, scale, out, ldo, n, n_pad, keys_t,
+                    keys_t + Hkv * D * n_pad};
+  long tiles = (T + PA_ROWS - 1) / PA_ROWS;
+#pragma omp parallel num_threads(nthreads)
+  {
+    float *scratch = malloc(sizeof(float) * (size_t)(PA_ROWS * (D + n_pad)));
+    gather_context(&a);
+    /* omp for ends in a barrier: every head's context is gathered before it is read.
+     * Items run from the longest rows down: the last tiles attend to the most keys. */
+#pragma omp for schedule(dynamic, 1)
+    for (long item = 0; item < tiles * Hq; item++) {
+      long tile = tiles - 1 - item / Hq, r0 = tile * PA_ROWS;
+      long rows = T - r0 < PA_ROWS ? T - r0 : PA_ROWS;
+      attend_tile(&a, r0, rows, item % Hq, scratch);
+    }
+    free(scratch);
+  }
+  free(keys_t);
+  return 0;
+}
