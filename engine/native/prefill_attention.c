@@ -158,17 +158,20 @@ int pd_prefill_attention(const float *q, long ldq, long T, long Hq, long Hkv, lo
                          const float *k_cache, const float *v_cache, long block_stride,
                          long block_size, const int64_t *table, long context_start,
                          float scale, float *out, long ldo, int nthreads) {
-  if (D % PA_COLS || Hkv <= 0 || Hq % Hkv || T <= 0) return -1;
+  if (D % PA_COLS || Hkv <= 0 || Hq % Hkv || T <= 0 || nthreads < 1) return -1;
   long n = context_start + T, n_pad = (n + PA_COLS - 1) / PA_COLS * PA_COLS;
-  float *keys_t = aligned_alloc(64, sizeof(float) * (size_t)(2 * Hkv * D * n_pad));
-  if (!keys_t) return -1;
+  long per_thread = PA_ROWS * (D + n_pad);
+  float *buffer = aligned_alloc(
+      64, sizeof(float) * (size_t)(2 * Hkv * D * n_pad + nthreads * per_thread));
+  if (!buffer) return -1;
   prefill_args a = {q,     ldq,   T,    Hq,   Hkv,    D,     k_cache, v_cache, block_stride,
-                    block_size, table, context_start, scale, out, ldo, n, n_pad, keys_t,
-                    keys_t + Hkv * D * n_pad};
+                    block_size, table, context_start, scale, out, ldo, n, n_pad, buffer,
+                    buffer + Hkv * D * n_pad};
+  float *scratch = buffer + 2 * Hkv * D * n_pad;
   long tiles = (T + PA_ROWS - 1) / PA_ROWS;
 #pragma omp parallel num_threads(nthreads)
   {
-    float *scratch = malloc(sizeof(float) * (size_t)(PA_ROWS * (D + n_pad)));
+    float *mine = scratch + omp_get_thread_num() * per_thread;
     gather_context(&a);
     /* omp for ends in a barrier: every head's context is gathered before it is read.
      * Items run from the longest rows down: the last tiles attend to the most keys. */
@@ -176,10 +179,9 @@ int pd_prefill_attention(const float *q, long ldq, long T, long Hq, long Hkv, lo
     for (long item = 0; item < tiles * Hq; item++) {
       long tile = tiles - 1 - item / Hq, r0 = tile * PA_ROWS;
       long rows = T - r0 < PA_ROWS ? T - r0 : PA_ROWS;
-      attend_tile(&a, r0, rows, item % Hq, scratch);
+      attend_tile(&a, r0, rows, item % Hq, mine);
     }
-    free(scratch);
   }
-  free(keys_t);
+  free(buffer);
   return 0;
 }
