@@ -9,6 +9,11 @@ it on the next port, wait until it answers, run every `--concurrency` point
 and prompts), stop it, and go on to the next. The table gives medians; the ratios are
 against the best vLLM configuration at that point, measured in the same sitting.
 
+A pdserve server may carry its own `pdserve serve` flags after `@`, joined by `+`, so
+that one sitting compares two settings of the same mode, e.g. `--servers
+vllm-fp32,pdserve-colocated,pdserve-colocated@--prefill-batch-tokens=1024`;
+`--pdserve-arg` goes to every pdserve server.
+
 vLLM is started the way docs/peers say it must be here: `VLLM_CPU_OMP_THREADS_BIND`
 on every core (it pins itself to one core on 2 vCPUs otherwise), the KV cache in
 `VLLM_CPU_KVCACHE_SPACE`, no hub access. Its startup (~135 s, mostly compilation) is
@@ -37,6 +42,33 @@ SERVERS = ("vllm-fp32", "vllm-default", "pdserve-colocated", "pdserve-disaggrega
 _STARTUP_S = 900.0
 
 
+@dataclass(frozen=True)
+class ServerSpec:
+    """One entry of `--servers`: a kind from SERVERS and, for pdserve, its own flags."""
+
+    kind: str
+    flags: tuple[str, ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> ServerSpec:
+        """`KIND` or `KIND@FLAG+FLAG...`; raises ValueError with what is accepted."""
+        kind, _, extra = text.strip().partition("@")
+        if kind not in SERVERS:
+            raise ValueError(f"unknown server {kind!r}: expected one of {', '.join(SERVERS)}")
+        flags = tuple(flag for flag in extra.split("+") if flag)
+        if flags and kind.startswith("vllm"):
+            raise ValueError(f"{text!r}: flags after '@' are `pdserve serve` flags")
+        return cls(kind, flags)
+
+    @property
+    def label(self) -> str:
+        return " ".join((self.kind, *self.flags))
+
+
+def parse_servers(text: str) -> list[ServerSpec]:
+    return [ServerSpec.parse(entry) for entry in text.split(",") if entry.strip()]
+
+
 @dataclass
 class Started:
     url: str
@@ -44,17 +76,18 @@ class Started:
     startup_s: float
 
 
-def start_server(name: str, args) -> Started:
+def start_server(server: ServerSpec, args) -> Started:
     cores = os.cpu_count() or 1
     begun = time.monotonic()
-    if name.startswith("vllm"):
-        url, stop = _start_vllm(name, args, cores)
+    if server.kind.startswith("vllm"):
+        url, stop = _start_vllm(server.kind, args, cores)
     else:
-        mode = name.removeprefix("pdserve-")
+        mode = server.kind.removeprefix("pdserve-")
         flags = ["--model", args.model_dir or "demo", "--mode", mode, "--dtype", args.dtype]
         if mode == "colocated":
             flags += ["--threads-per-worker", str(cores)]
-        process = ServerProcess(flags + list(args.pdserve_arg), startup_timeout_s=_STARTUP_S)
+        flags += [*args.pdserve_arg, *server.flags]
+        process = ServerProcess(flags, startup_timeout_s=_STARTUP_S)
         url, stop = process.url, process.stop
     return Started(url, stop, time.monotonic() - begun)
 
@@ -106,8 +139,9 @@ def _healthy(url: str) -> bool:
         return False
 
 
-async def measure(name: str, args, maker) -> dict:
-    started = start_server(name, args)
+async def measure(server: ServerSpec, args, maker) -> dict:
+    name = server.label
+    started = start_server(server, args)
     try:
         point_args = argparse.Namespace(
             **{**vars(args), "url": started.url, "endpoint": "completions"}
@@ -119,7 +153,7 @@ async def measure(name: str, args, maker) -> dict:
         entries = await run_points(
             points, maker, args.repeats, printer=lambda text: print(f"[{name}] {text}")
         )
-        if name.startswith("pdserve"):
+        if server.kind.startswith("pdserve"):
             await _add_engine_bounds(started.url, args, entries)
     finally:
         started.stop()
@@ -166,7 +200,8 @@ def format_table(results: list[dict]) -> str:
         lines.append(f"\n{label}")
         vllm = [r["points"][index]["summary"] for r in results if r["server"].startswith("vllm")]
         best = max(vllm, key=lambda s: s.get("output_throughput") or 0) if vllm else None
-        header = f"{'server':<24}" + "".join(f"{name:>22}" for name, *_ in FIGURES)
+        width = max(24, *(len(r["server"]) + 2 for r in results))
+        header = f"{'server':<{width}}" + "".join(f"{name:>22}" for name, *_ in FIGURES)
         header += f"{'engine-rate bound':>22}"
         lines.append(header)
         for result in results:
@@ -176,7 +211,7 @@ def format_table(results: list[dict]) -> str:
             if bound:
                 share = (summary.get("output_throughput") or 0) / bound
                 cells.append(f"{bound:.1f} ({share:.2f} of it)")
-            lines.append(f"{result['server']:<24}" + "".join(f"{c:>22}" for c in cells))
+            lines.append(f"{result['server']:<{width}}" + "".join(f"{c:>22}" for c in cells))
     lines.append("\n(x vLLM) = this figure / the best vLLM configuration's at that point")
     lines.append(
         "engine-rate bound = output tok/s the run's own engine steps allow for the workload "
@@ -205,7 +240,8 @@ def add_compare_servers_parser(kinds) -> None:
     parser.add_argument(
         "--servers",
         default=",".join(SERVERS),
-        help=f"comma list, in order, of {', '.join(SERVERS)}",
+        help=f"comma list, in order, of {', '.join(SERVERS)}; a pdserve one may add its own "
+        "`pdserve serve` flags after '@', joined by '+' (pdserve-colocated@--max-num-seqs=32)",
     )
     parser.add_argument(
         "--model-dir", default=None, help="model for both (default: the demo model)"
@@ -223,9 +259,13 @@ def add_compare_servers_parser(kinds) -> None:
 def _run(args: argparse.Namespace) -> int:
     from bench.prompt_text import PromptMaker
 
+    try:
+        servers = parse_servers(args.servers)
+    except ValueError as exc:
+        raise SystemExit(f"--servers: {exc}") from None
     args.api_key, args.model = None, None
     maker = PromptMaker.from_arg(args.tokenizer)
-    results = [asyncio.run(measure(name, args, maker)) for name in args.servers.split(",")]
+    results = [asyncio.run(measure(server, args, maker)) for server in servers]
     print(format_table(results))
     if args.json:
         with open(args.json, "w") as handle:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.compare_servers import format_table
+from bench.compare_servers import ServerSpec, format_table, parse_servers
 
 
 def point(label: str, tok_s: float, ttft: float) -> dict:
@@ -44,3 +44,24 @@ def test_the_engine_rate_bound_comes_from_the_fitted_steps():
     colocated = {"colocated-0": steps(0.01, 0.002, 0.005, shapes)}
     per_request = 0.522 + 64 * (0.01 + 0.005 * 16) / 16
     assert output_bound(colocated, 256, 64, 16) == pytest.approx(64 / per_request, rel=1e-6)
+
+
+def test_a_pdserve_server_carries_its_own_flags_and_is_labelled_by_them():
+    servers = parse_servers(
+        "vllm-fp32,pdserve-colocated,pdserve-colocated@--prefill-batch-tokens=1024+--max-num-seqs=32"
+    )
+    assert [s.kind for s in servers] == ["vllm-fp32", "pdserve-colocated", "pdserve-colocated"]
+    assert servers[2].flags == ("--prefill-batch-tokens=1024", "--max-num-seqs=32")
+    assert servers[2].label == "pdserve-colocated --prefill-batch-tokens=1024 --max-num-seqs=32"
+    results = [
+        {"server": s.label, "points": [point("concurrency=16", 60.0 + i, 3.0)]}
+        for i, s in enumerate(servers)
+    ]
+    rows = format_table(results).splitlines()
+    assert any(row.startswith(servers[2].label + " ") and "62.0 (1.03x)" in row for row in rows)
+
+
+@pytest.mark.parametrize("text", ["pdserve-fast", "vllm-fp32@--dtype=bfloat16"])
+def test_an_unknown_server_or_flags_on_vllm_are_refused(text):
+    with pytest.raises(ValueError, match=r"pdserve serve|expected one of"):
+        ServerSpec.parse(text)
