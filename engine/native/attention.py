@@ -25,20 +25,9 @@ class NativePagedAttention(TorchPagedAttention):
         self.kernels = kernels
 
     def _decode(self, q, kv_pool, layer: int, meta: AttentionMetadata, scale, out) -> None:
-        num_rows, num_heads, head_dim = q.shape
-        keys, values = kv_pool.layer_view(layer, 0), kv_pool.layer_view(layer, 1)
         tables = meta.decode_block_tables
         status = self.kernels.decode_attention(
-            q.data_ptr(),
-            q.stride(0),
-            num_rows,
-            num_heads,
-            keys.shape[2],
-            head_dim,
-            keys.data_ptr(),
-            values.data_ptr(),
-            keys.stride(0),
-            keys.shape[1],
+            *_query_and_pool(q, kv_pool, layer),
             tables.data_ptr(),
             tables.stride(0),
             meta.decode_context_lens.data_ptr(),
@@ -51,22 +40,12 @@ class NativePagedAttention(TorchPagedAttention):
             super()._decode(q, kv_pool, layer, meta, scale, out)
 
     def _prefill(self, q, k, v, kv_pool, layer: int, chunk: PrefillChunk, scale):
-        keys, values = kv_pool.layer_view(layer, 0), kv_pool.layer_view(layer, 1)
         num_rows, num_heads, head_dim = q.shape
         if q.stride(2) != 1 or q.stride(1) != head_dim or not chunk.block_table.is_contiguous():
             return super()._prefill(q, k, v, kv_pool, layer, chunk, scale)
         out = torch.empty(num_rows, num_heads, head_dim)
         status = self.kernels.prefill_attention(
-            q.data_ptr(),
-            q.stride(0),
-            num_rows,
-            num_heads,
-            keys.shape[2],
-            head_dim,
-            keys.data_ptr(),
-            values.data_ptr(),
-            keys.stride(0),
-            keys.shape[1],
+            *_query_and_pool(q, kv_pool, layer),
             chunk.block_table.data_ptr(),
             chunk.context_start,
             scale,
@@ -98,3 +77,22 @@ class NativePagedAttention(TorchPagedAttention):
             torch.get_num_threads(),
         )
         return key_out, value_out
+
+
+def _query_and_pool(q: torch.Tensor, kv_pool, layer: int) -> tuple:
+    """The arguments both attention kernels start with: the query rows [R, Hq, D] (heads
+    contiguous within a row) and the layer's keys and values in the pool."""
+    num_rows, num_heads, head_dim = q.shape
+    keys, values = kv_pool.layer_view(layer, 0), kv_pool.layer_view(layer, 1)
+    return (
+        q.data_ptr(),
+        q.stride(0),
+        num_rows,
+        num_heads,
+        keys.shape[2],
+        head_dim,
+        keys.data_ptr(),
+        values.data_ptr(),
+        keys.stride(0),
+        keys.shape[1],
+    )
