@@ -18,9 +18,12 @@ Recovery (the client only sees extra latency):
     prefill worker alive, the decode worker prefills the prompt itself;
   * KV import fails -> `on_transfer_failure`: `recompute` on the decode worker, or
     fail with a clear error;
-  * decode worker dies mid-stream -> another decode worker recomputes the KV of the
-    prompt plus every token already decided and continues the same stream (sampling
-    is seeded per output position, so even seeded sampling continues identically);
+  * decode worker dies mid-stream -> another decode worker continues the same stream
+    (sampling is seeded per output position, so even seeded sampling continues
+    identically). It gets the prompt's KV by re-pulling the export while that is still
+    pinned, from the prefill worker whose prefix cache still holds it (`reprefill`), or
+    by recomputing it, whichever the measured costs say is sooner, then computes the
+    tokens already decided;
   * no live worker of a role for `recovery_timeout_s` -> NoLiveWorkerError (503).
 Any worker call that fails marks that worker dead (router stops using it; the
 controller restarts it). Worker-side errors come back as `ErrorEvent`s and are raised
@@ -205,9 +208,12 @@ class RequestFlow:
 
     async def _decode_phase(self, req: ClusterRequest) -> AsyncIterator[GenerationChunk]:
         role = "colocated" if self.config.mode == "colocated" else "decode"
+        rebuild = False
         while True:
             claim = await self._decode_claim(req, role)
             req.timeline.decode_worker = claim.worker.worker_id
+            if rebuild:
+                req.timeline.recovery_paths.append(await self._rebuild_kv(req, claim.worker))
             try:
                 async for chunk in self._decode_on(claim, req):
                     yield chunk
@@ -215,20 +221,56 @@ class RequestFlow:
             except WORKER_FAILURES as exc:
                 req.let_go(claim.worker)
                 self._failed(claim, exc, req, f"{role}_died")
-                req.timeline.recovery_paths.append(self._migration_path(req))
+                rebuild = not self._repull_pays(req)
+                if not rebuild:
+                    req.timeline.recovery_paths.append("repull")
 
-    def _migration_path(self, req: ClusterRequest) -> str:
-        """How the next decode worker gets this request's KV: `repull` the still-pinned
-        export and compute only the tokens decided since, or `recompute` prompt and
-        decided tokens from scratch, whichever the measured costs say is sooner."""
+    def _repull_pays(self, req: ClusterRequest) -> bool:
+        """The next decode worker re-pulls the still-pinned export and computes only the
+        tokens decided since, when the measured costs say that is sooner than building
+        the KV again (`_rebuild_kv`); otherwise the export is released."""
         exporter = req.exporter
         if req.ticket is not None and exporter is not None and exporter.alive:
             kv_bytes = KVLayout(**req.ticket.layout).block_nbytes * len(req.ticket.block_ids)
-            path = self.costs.choose(len(req.prompt_ids), len(req.decided), kv_bytes)
-            if path == "repull":
-                return path
+            if self.costs.choose(len(req.prompt_ids), len(req.decided), kv_bytes) == "repull":
+                return True
         req.release_export()
-        return "recompute"
+        return False
+
+    async def _rebuild_kv(self, req: ClusterRequest, decode: WorkerInfo) -> str:
+        """After a decode worker died with no export left to re-pull: `reprefill` the
+        prompt on the prefill worker whose prefix cache still holds most of it (its
+        export goes to `decode`, which computes the decided tokens), when the measured
+        costs say that is sooner; else `decode` will `recompute` prompt and decided
+        tokens itself. Returns the path taken; a reprefill that fails falls back."""
+        if self.config.mode != "disaggregated" or self.disaggregation.mode == "never":
+            return "recompute"
+        try:
+            claim, cached = self.router.pick_holder(
+                "prefill", req.request_id, req.prompt_ids, req.params.cache_salt
+            )
+        except NoLiveWorkerError:
+            return "recompute"
+        prompt_blocks = -(-len(req.prompt_ids) // self.config.block_size)
+        if not self.costs.reprefill_pays(len(req.prompt_ids), cached, prompt_blocks):
+            claim.release()
+            return "recompute"
+        worker = req.claim(claim).worker
+        req.hold(worker)
+        request = PrefillRequest(req.request_id, req.prompt_ids, req.params, decode.worker_id)
+        try:
+            reply = await worker.handle.prefill.remote(request)
+        except WORKER_FAILURES as exc:
+            req.let_go(worker)
+            self._failed(claim, exc, req, "prefill_died")
+            return "recompute"
+        finally:
+            claim.release()
+        if isinstance(reply, ErrorEvent) or reply.ticket is None:
+            req.let_go(worker)
+            return "recompute"
+        req.ticket, req.exporter = reply.ticket, worker
+        return "reprefill"
 
     async def _decode_claim(self, req: ClusterRequest, role: str) -> Claim:
         """The decode worker chosen with the prefill (the ticket names it) goes first,

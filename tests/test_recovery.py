@@ -200,9 +200,37 @@ def test_kills_that_hit_lose_nothing(tiny_llama_dir, steady_expected, transport,
 
 ROLES = ("decode", "prefill")
 ROLE_PATHS = {
-    "decode": ("repull", "recompute"),
+    "decode": ("repull", "reprefill", "recompute"),
     "prefill": ("prefill_retry", "recompute", "decode_side_prefill"),
 }
+
+
+def test_a_dead_decode_workers_prompts_are_reexported_from_the_prefill_cache(
+    tiny_llama_dir, expected, expected_text, monkeypatch
+):
+    """Every import landed and was acked, so the victim's prompts have no export left to
+    re-pull; their KV still sits in the prefill worker's prefix cache, which exports it
+    again for the survivor instead of the survivor recomputing each prompt."""
+    monkeypatch.setenv("PDSERVE_STEP_DELAY_S", "0.03")  # streams outlive the wait below
+    config = tiny_cluster_config(tiny_llama_dir, transport="shm", decode_workers=2)
+
+    async def strike(cluster):
+        await asyncio.sleep(1.5)  # health reports tell the router what the cache holds
+        held = await cluster.controller.debug_states()
+        assert held["decode-0"].get("requests"), "decode-0 held nothing to recover"
+        await kill(cluster, "decode-0")
+
+    timings = scenario(config, strike, expected, expected_text)
+    affected = {
+        len(prompt): t
+        for prompt, t in zip(PROMPTS, timings, strict=True)
+        if "decode_died" in t["recoveries"]
+    }
+    assert affected, "no stream went through the kill"
+    for prompt_len, t in affected.items():
+        # A prompt shorter than one block has nothing cached: the survivor recomputes it.
+        path = "reprefill" if prompt_len >= config.block_size else "recompute"
+        assert t["recovery_paths"] == [path], (prompt_len, t["recovery_paths"])
 
 
 def test_kill_the_only_prefill_worker_decode_side_prefill_takes_over(tiny_llama_dir, expected):
