@@ -8,10 +8,9 @@ prompt and decided tokens from scratch. The request flow asks `RecoveryCosts.cho
 the cluster feeds it every finished request's measured transfer bandwidth and
 prefill rate (`observe`).
 
-Once the export is released (the import landed), the prompt's KV usually still sits in
-its prefill worker's prefix cache. Prefilling the prompt again there costs only what
-the cache lost, plus moving the blocks; `reprefill_pays` weighs that against the new
-decode worker computing the whole prompt, next to the streams it already decodes.
+Once the export is released (the import landed), the KV is rebuilt instead: where,
+the prefill worker whose cache still holds the prompt or the new decode worker, is the
+disaggregation policy's call (`RequestFlow._rebuild_kv`).
 """
 
 from __future__ import annotations
@@ -30,8 +29,6 @@ class RecoveryCosts:
     """Running average of KV transfers' achieved bandwidth."""
     prefill_tokens_per_s: float | None = None
     """Running average of prefill throughput per request."""
-    bytes_per_block: float | None = None
-    """KV bytes of one block on the link (from the last import that moved blocks)."""
 
     def observe(self, timeline: RequestTimeline) -> None:
         """Called once per closed request."""
@@ -40,8 +37,6 @@ class RecoveryCosts:
             self.bandwidth_bytes_per_s = _blend(
                 self.bandwidth_bytes_per_s, imported.num_bytes / imported.transfer_s
             )
-        if imported is not None and imported.ok and imported.moved_blocks > 0:
-            self.bytes_per_block = imported.num_bytes / imported.moved_blocks
         if prefill is not None and prefill.prefill_s > 0:
             self.prefill_tokens_per_s = _blend(
                 self.prefill_tokens_per_s, prefill.num_prompt_tokens / prefill.prefill_s
@@ -57,21 +52,6 @@ class RecoveryCosts:
         repull_s += decided_tokens / self.prefill_tokens_per_s
         recompute_s = (prompt_tokens + decided_tokens) / self.prefill_tokens_per_s
         return "repull" if repull_s < recompute_s else "recompute"
-
-    def reprefill_pays(self, prompt_tokens: int, cached_tokens: int, prompt_blocks: int) -> bool:
-        """Whether prefilling the prompt again on a prefill worker whose cache holds
-        `cached_tokens` of it, then moving its `prompt_blocks` KV blocks, is expected
-        sooner than the decode worker computing the whole prompt. With nothing measured
-        yet, any cache hit decides it. (The tokens decided since are computed by the
-        decode worker either way, so they cancel.)"""
-        if cached_tokens <= 0:
-            return False
-        rate, bandwidth = self.prefill_tokens_per_s, self.bandwidth_bytes_per_s
-        if rate is None or bandwidth is None or self.bytes_per_block is None:
-            return True
-        reprefill_s = (prompt_tokens - cached_tokens) / rate
-        reprefill_s += prompt_blocks * self.bytes_per_block / bandwidth
-        return reprefill_s < prompt_tokens / rate
 
 
 def _blend(average: float | None, sample: float) -> float:

@@ -35,6 +35,7 @@ ends; the flow itself never aborts or releases on its way out.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -52,6 +53,7 @@ from cluster.request import (
 )
 from cluster.router import Claim, LocalPrefill, NoLiveWorkerError, Router, WorkerInfo
 from engine.kv_cache import KVLayout
+from engine.sampling_params import SamplingParams
 from engine.worker_messages import (
     DecodeRequest,
     ErrorEvent,
@@ -210,7 +212,7 @@ class RequestFlow:
         role = "colocated" if self.config.mode == "colocated" else "decode"
         rebuild = False
         while True:
-            claim = await self._decode_claim(req, role)
+            claim = await self._decode_claim(req, role, predict=not rebuild)
             req.timeline.decode_worker = claim.worker.worker_id
             if rebuild:
                 req.timeline.recovery_paths.append(await self._rebuild_kv(req, claim.worker))
@@ -238,28 +240,35 @@ class RequestFlow:
         return False
 
     async def _rebuild_kv(self, req: ClusterRequest, decode: WorkerInfo) -> str:
-        """After a decode worker died with no export left to re-pull: `reprefill` the
-        prompt on the prefill worker whose prefix cache still holds most of it (its
-        export goes to `decode`, which computes the decided tokens), when the measured
-        costs say that is sooner; else `decode` will `recompute` prompt and decided
-        tokens itself. Returns the path taken; a reprefill that fails falls back."""
+        """After a decode worker died with no export left to re-pull, the KV of the prompt
+        and of every decided token but the last is computed again: on the prefill worker
+        whose prefix cache still holds most of the prompt, which exports it to `decode`
+        (`reprefill`), or by `decode` itself (`recompute`), whichever the disaggregation
+        policy predicts sooner (queues, cache hits, transfer, and the stall of the
+        streams `decode` runs). Returns the path; a reprefill that fails falls back."""
         if self.config.mode != "disaggregated" or self.disaggregation.mode == "never":
             return "recompute"
+        tokens = req.prompt_ids + req.decided[:-1]
+        salt = req.params.cache_salt
         try:
-            claim, cached = self.router.pick_holder(
-                "prefill", req.request_id, req.prompt_ids, req.params.cache_salt
-            )
+            claim, _ = self.router.pick_holder("prefill", req.request_id, tokens, salt)
         except NoLiveWorkerError:
             return "recompute"
-        prompt_blocks = -(-len(req.prompt_ids) // self.config.block_size)
-        if not self.costs.reprefill_pays(len(req.prompt_ids), cached, prompt_blocks):
+        choice = self.disaggregation.choose(tokens, claim.worker, decode, True, salt)
+        logger.debug(
+            "request %s: KV of %d tokens to rebuild: %s", req.request_id, len(tokens), choice
+        )
+        self.router.views.note_tokens(decode.worker_id, tokens, salt)  # either way
+        if choice.path == "local":
             claim.release()
             return "recompute"
         worker = req.claim(claim).worker
         req.hold(worker)
-        request = PrefillRequest(req.request_id, req.prompt_ids, req.params, decode.worker_id)
+        params = kv_only(req.params, len(req.decided))
         try:
-            reply = await worker.handle.prefill.remote(request)
+            reply = await worker.handle.prefill.remote(
+                PrefillRequest(req.request_id, tokens, params, decode.worker_id)
+            )
         except WORKER_FAILURES as exc:
             req.let_go(worker)
             self._failed(claim, exc, req, "prefill_died")
@@ -272,16 +281,17 @@ class RequestFlow:
         req.ticket, req.exporter = reply.ticket, worker
         return "reprefill"
 
-    async def _decode_claim(self, req: ClusterRequest, role: str) -> Claim:
+    async def _decode_claim(self, req: ClusterRequest, role: str, predict: bool = True) -> Claim:
         """The decode worker chosen with the prefill (the ticket names it) goes first,
         with the claim taken at that pick; picking again would also advance round_robin
-        twice per request. Otherwise a fresh pick, waiting for a live worker."""
+        twice per request. Otherwise a fresh pick, waiting for a live worker (`predict`:
+        as `Router.pick`)."""
         pick, req.decode_pick = req.decode_pick, None
         if pick is not None and pick.worker.alive:
             return req.claim(pick)
         if pick is not None:
             pick.release()
-        claim = await self._pick_waiting(role, req, req.prompt_ids + req.decided)
+        claim = await self._pick_waiting(role, req, req.prompt_ids + req.decided, predict)
         _note_route(req, claim)
         return req.claim(claim)
 
@@ -343,13 +353,15 @@ class RequestFlow:
             prompt_logprobs=item.prompt_logprobs,
         )
 
-    async def _pick_waiting(self, role: str, req: ClusterRequest, tokens: list[int]) -> Claim:
+    async def _pick_waiting(
+        self, role: str, req: ClusterRequest, tokens: list[int], predict: bool = True
+    ) -> Claim:
         """A live worker of `role`, waiting up to `recovery_timeout_s` for one to come back."""
         deadline = time.monotonic() + self.config.recovery_timeout_s
         while True:
             try:
                 return self.router.pick(
-                    role, req.request_id, tokens=tokens, salt=req.params.cache_salt
+                    role, req.request_id, tokens=tokens, salt=req.params.cache_salt, predict=predict
                 )
             except NoLiveWorkerError:
                 if time.monotonic() >= deadline:
@@ -394,6 +406,23 @@ class RequestFlow:
         logger.warning("request %s: %s (%s): %r", req.request_id, what, worker.worker_id, exc)
         req.timeline.recoveries.append(what)
         self.on_worker_failure(worker, repr(exc), claim.generation)
+
+
+def kv_only(params: SamplingParams, num_decided: int) -> SamplingParams:
+    """What a prefill that only rebuilds KV runs with: the token it samples is thrown
+    away (it is already decided), so nothing may end the request there or cost extra
+    (stops, grammar, logprobs), and its length check covers the same total."""
+    return dataclasses.replace(
+        params,
+        max_tokens=max(2, params.max_tokens - max(num_decided - 1, 0)),
+        min_tokens=0,
+        ignore_eos=True,
+        stop=(),
+        stop_token_ids=(),
+        logprobs=None,
+        prompt_logprobs=None,
+        structured=None,
+    )
 
 
 def _note_route(req: ClusterRequest, claim: Claim) -> None:

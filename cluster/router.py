@@ -262,10 +262,12 @@ class Router:
         exclude: set[str] | None = None,
         tokens: list[int] | None = None,
         salt: str | None = None,
+        predict: bool = True,
     ) -> Claim:
         """A claim on the best live worker of `role` for a prompt of `tokens` (None: no
         prompt to place, load only) with prefix-cache salt `salt`; the caller must
-        release it."""
+        release it. `predict`: count the tokens' blocks as cached there from now on
+        (False when the caller still weighs where they get computed)."""
         candidates = [w for w in self.live(role) if w.worker_id not in (exclude or set())]
         if not candidates:
             raise NoLiveWorkerError(role, request_id)
@@ -282,7 +284,8 @@ class Router:
             load -= self.views.cached_blocks(worker, hashes) * (self.views.block_size or 0)
         claim = Claim(worker, load)
         claim.decision = decision
-        self.views.note(worker.worker_id, hashes)
+        if predict:
+            self.views.note(worker.worker_id, hashes)
         return claim
 
     def pick_holder(

@@ -203,13 +203,17 @@ class LLMEngine:
         emitted_text_len: int | None = None,
         priority: float | None = None,
     ) -> Sequence:
-        """A decode worker announces KV of `num_tokens` (the prompt) coming from a peer.
-        The sequence is IMPORTING: it waits for blocks, which `reserve_imports` hands out,
-        then its owner moves the bytes and calls `finish_import`."""
+        """A decode worker announces KV of `num_tokens` coming from a peer: the prompt's,
+        or after a migration also that of every output token but the last (which the
+        next step feeds). The sequence is IMPORTING: it waits for blocks, which
+        `reserve_imports` hands out, then its owner moves the bytes and calls
+        `finish_import`; output tokens the import does not cover are computed here."""
         self.validate(request_id, prompt_token_ids, params)
-        if num_tokens != len(prompt_token_ids):
+        most = len(prompt_token_ids) + max(len(output_token_ids) - 1, 0)
+        if not len(prompt_token_ids) <= num_tokens <= most:
             raise InvalidRequestError(
-                f"import of {num_tokens} tokens for a {len(prompt_token_ids)}-token prompt",
+                f"import of {num_tokens} tokens for a {len(prompt_token_ids)}-token prompt "
+                f"with {len(output_token_ids)} output tokens",
                 request_id,
             )
         seq = self._new_sequence(
