@@ -168,6 +168,37 @@ def test_max_num_seqs_bounds_the_batch_with_16_imports(tiny_llama_dir):
     assert_no_leaks(engine)
 
 
+@pytest.mark.parametrize("covered", [0, 3, 5])
+def test_an_import_may_bring_the_kv_of_decided_output_tokens(tiny_llama_dir, covered):
+    """A migrated stream has 6 tokens decided; its import brings the KV of the prompt
+    and of the first `covered` of them (at most all but the last, which the next step
+    feeds). The engine computes what the import lacks and the stream goes on exactly."""
+    prompt = prompt_of(13)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    expected = make_engine(tiny_llama_dir).generate([prompt], params)[0].output_token_ids
+    decided = expected[:6]
+    engine = make_engine(tiny_llama_dir)
+    seq = engine.begin_import("r", prompt, decided, params, len(prompt) + covered)
+    [landing] = engine.reserve_imports()
+    source = make_engine(tiny_llama_dir)  # computes the KV the prefill side sends
+    source_seq = prefilled(source, "r", prompt + decided[:covered])
+    engine.kv_pool.write_blocks(landing.block_ids, source.kv_pool.read_blocks(source_seq.block_ids))
+    engine.finish_import("r", ok=True, recompute=False)
+    run_until_idle(engine)
+    assert seq.output_token_ids == expected
+    assert_no_leaks(engine)
+
+
+def test_an_import_of_more_than_the_decided_tokens_is_refused(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+    prompt = prompt_of(13)
+    with pytest.raises(InvalidRequestError, match="import of 16 tokens"):
+        engine.begin_import("r", prompt, [5, 6, 7], GREEDY, len(prompt) + 3)
+    with pytest.raises(InvalidRequestError, match="import of 12 tokens"):
+        engine.begin_import("r", prompt, [5], GREEDY, len(prompt) - 1)
+    assert_no_leaks(engine)
+
+
 @pytest.mark.parametrize("headroom", ["kept", "ignored"])
 def test_imports_that_fill_the_pool_exactly_still_decode(tiny_llama_dir, monkeypatch, headroom):
     """Two 16-token imports in a 4-block pool (8-token blocks) with nothing decoding: if
