@@ -153,8 +153,7 @@ class RequestFlow:
             _note_route(req, claim)
             if self._prefill_on_decode(req, claim, recovering=retried):
                 claim.release()
-                hold = LocalPrefill(req.decode_pick.worker, len(req.prompt_ids))
-                req.local_prefill = req.claim(hold)
+                self._prefill_locally(req, req.decode_pick.worker, len(req.prompt_ids))
                 if retried:
                     req.timeline.recovery_paths.append("decode_side_prefill")
                 return _PREFILL_ON_DECODE
@@ -181,6 +180,14 @@ class RequestFlow:
             else:
                 req.exporter = worker
             return reply
+
+    def _prefill_locally(self, req: ClusterRequest, decode: WorkerInfo, tokens: int) -> None:
+        """`decode` will compute `tokens` of this request's KV itself: they count as queued
+        there until its first token, so the next placement decision (a prompt under
+        `auto`, the other streams of a dead decode worker) sees them."""
+        if req.local_prefill is not None:
+            req.local_prefill.release()
+        req.local_prefill = req.claim(LocalPrefill(decode, tokens))
 
     def _pick_decode_peer(self, req: ClusterRequest) -> None:
         if req.decode_pick is not None:
@@ -215,7 +222,11 @@ class RequestFlow:
             claim = await self._decode_claim(req, role, predict=not rebuild)
             req.timeline.decode_worker = claim.worker.worker_id
             if rebuild:
-                req.timeline.recovery_paths.append(await self._rebuild_kv(req, claim.worker))
+                path = await self._rebuild_kv(req, claim.worker)
+                req.timeline.recovery_paths.append(path)
+                if path == "recompute" and self.config.mode == "disaggregated":
+                    tokens = len(req.prompt_ids) + max(len(req.decided) - 1, 0)
+                    self._prefill_locally(req, claim.worker, tokens)
             try:
                 async for chunk in self._decode_on(claim, req):
                     yield chunk

@@ -10,6 +10,7 @@ import pytest
 from ray.exceptions import RayActorError
 
 from cluster.config import ClusterConfig, ConfigError
+from cluster.disaggregation import Disaggregation, PathChoice
 from cluster.request import ClusterRequest, RequestFailedError
 from cluster.request_flow import RequestFlow
 from cluster.router import Router, WorkerInfo
@@ -463,6 +464,63 @@ def test_a_worker_side_error_comes_back_with_its_kind():
     assert (error.kind, error.message) == ("invalid_request", "does not fit the KV pool")
     assert prefill_calls == [("prefill", "r1")]  # it holds nothing: no abort owed
     assert [w.in_flight for w in workers.values()] == [0, 0]
+
+
+def test_the_streams_of_a_dead_decode_worker_see_each_others_recomputes(monkeypatch):
+    """Each stream of a dead decode worker asks where its KV is rebuilt. One the survivor
+    is to recompute counts as queued there until its first token, so the next stream's
+    decision sees it (before, every stream piled its recompute onto the survivor), and
+    a stream rebuilt on the prefill worker is re-exported from there."""
+    seen: list[int] = []
+
+    def choose(self, tokens, prefill, decode, recovering=False, salt=None):
+        if not recovering:
+            return PathChoice("remote", "always")
+        seen.append(decode.local_prefill_tokens)
+        return PathChoice("local" if decode.local_prefill_tokens == 0 else "remote", "test")
+
+    monkeypatch.setattr(Disaggregation, "choose", choose)
+
+    def first_token_then_death(request):
+        yield ImportEvent(True, "shm", 100, None, "", 0.0, 0.0, "decode-0")
+        yield TokenEvent([8], "y", False, None, 2)
+        raise RayActorError()
+
+    def rest(request):
+        if request.ticket is not None:
+            yield ImportEvent(True, "shm", 100, None, "", 0.0, 0.0, "decode-1")
+        yield TokenEvent([9], "z", True, "length", 3)
+
+    async def main():
+        prefill = FakeWorker("prefill-0", "prefill", {"prefill": result_of})
+        dying = FakeWorker("decode-0", "decode", {"generate": first_token_then_death})
+        survivor = FakeWorker("decode-1", "decode", {"generate": rest})
+        prefill.gate.set()
+        workers = {w.info.worker_id: w.info for w in (prefill, dying, survivor)}
+        config = ClusterConfig(transport="shm", recovery_timeout_s=0.5)
+        router = Router("round_robin", workers)
+        survivor.info.alive = False  # both requests start on decode-0
+        flow = RequestFlow(config, router, lambda w, why, generation: setattr(w, "alive", False))
+        requests = [open_request("r1"), open_request("r2")]
+        streams = [asyncio.ensure_future(consume(flow, req)) for req in requests]
+        while len(dying.calls) < 2:
+            await asyncio.sleep(0.01)
+        survivor.info.alive = True
+        dying.gate.set()  # both streams are on decode-0 when it dies
+        while len(seen) < 2:
+            await asyncio.sleep(0.01)
+        survivor.gate.set()  # both decided before either gets a token on the survivor
+        chunks = await asyncio.gather(*streams)
+        for req in requests:
+            req.close("finished")
+        return chunks, requests, prefill, workers
+
+    chunks, requests, prefill, workers = asyncio.run(main())
+    assert [[c.token_ids for c in stream] for stream in chunks] == [[[7], [8], [9]]] * 2
+    assert seen[0] == 0 and seen[1] > 0
+    assert sorted(r.timeline.recovery_paths[0] for r in requests) == ["recompute", "reprefill"]
+    assert [call for call, _ in prefill.calls].count("prefill") == 3  # two prompts, one rebuild
+    assert [(w.in_flight, w.local_prefill_tokens) for w in workers.values()] == [(0, 0)] * 3
 
 
 # --- the decode scheduler replays a recorded arrival pattern deterministically ----------
