@@ -67,6 +67,12 @@ logger = logging.getLogger(__name__)
 
 WORKER_FAILURES = (RayActorError, ActorUnavailableError)
 _PICK_RETRY_S = 0.1
+REBUILD_REMOTE_MARGIN = 2.0
+"""How much sooner the policy must predict a stream's rebuild on a prefill worker than on
+its new decode worker. The remote path has hops the model leaves out (the prefill call,
+the export, the import handshake) and runs right after a death, while the replacement
+starts: with ~15-token prompts on the 2-core EPYC, streams rebuilt remotely resumed no
+sooner than recomputed ones (docs/benchmarks.md, "Reprefill")."""
 _PREFILL_ON_DECODE = "prefill_on_decode"
 """`_prefill_on_some_worker`'s answer when the request is to be prefilled where it decodes."""
 
@@ -254,9 +260,10 @@ class RequestFlow:
         """After a decode worker died with no export left to re-pull, the KV of the prompt
         and of every decided token but the last is computed again: on the prefill worker
         whose prefix cache still holds most of the prompt, which exports it to `decode`
-        (`reprefill`), or by `decode` itself (`recompute`), whichever the disaggregation
-        policy predicts sooner (queues, cache hits, transfer, and the stall of the
-        streams `decode` runs). Returns the path; a reprefill that fails falls back."""
+        (`reprefill`), or by `decode` itself (`recompute`), as the disaggregation policy
+        predicts (queues, cache hits, transfer, the stall of the streams `decode` runs),
+        remote only by `REBUILD_REMOTE_MARGIN`. Returns the path; a reprefill that fails
+        falls back."""
         if self.config.mode != "disaggregated" or self.disaggregation.mode == "never":
             return "recompute"
         tokens = req.prompt_ids + req.decided[:-1]
@@ -270,7 +277,7 @@ class RequestFlow:
             "request %s: KV of %d tokens to rebuild: %s", req.request_id, len(tokens), choice
         )
         self.router.views.note_tokens(decode.worker_id, tokens, salt)  # either way
-        if choice.path == "local":
+        if not _remote_rebuild_pays(choice):
             claim.release()
             return "recompute"
         worker = req.claim(claim).worker
@@ -417,6 +424,16 @@ class RequestFlow:
         logger.warning("request %s: %s (%s): %r", req.request_id, what, worker.worker_id, exc)
         req.timeline.recoveries.append(what)
         self.on_worker_failure(worker, repr(exc), claim.generation)
+
+
+def _remote_rebuild_pays(choice: PathChoice) -> bool:
+    """A rebuild goes to a prefill worker only when the policy predicts it
+    `REBUILD_REMOTE_MARGIN` times sooner (or has measured nothing yet, as for prompts)."""
+    if choice.path != "remote":
+        return False
+    if choice.remote_s is None or choice.local_s is None:
+        return True
+    return choice.remote_s * REBUILD_REMOTE_MARGIN < choice.local_s
 
 
 def kv_only(params: SamplingParams, num_decided: int) -> SamplingParams:
