@@ -61,6 +61,9 @@ class DrillReport:
     resume_gap_p50_s: float | None = None
     resume_gap_max_s: float | None = None
     recovery_paths: dict[str, int] = field(default_factory=dict)
+    resume_gap_by_path: dict[str, float] = field(default_factory=dict)
+    """Median resume gap of the streams whose (first) recovery took each path: the
+    paths compared within one drill, at the same moment of the same machine."""
     kills: list[KillEvent] = field(default_factory=list)
     kills_planned: int = 0
     detect_max_s: float | None = None
@@ -115,10 +118,11 @@ def verdict(
     else:
         baseline = {prompt: ref.e2e_s for prompt, ref in reference.items()}
     extra = [r.e2e_s - baseline[key(r)] for r in affected if key(r) in baseline]
-    details = [_affected(r, baseline.get(key(r))) for r in affected]
+    kill_times = [k.killed_at for k in kills if k.hit]
+    details = [_affected(r, baseline.get(key(r)), kill_times) for r in affected]
     expected = {prompt: ref.text for prompt, ref in reference.items()}
     wrong = [r for r in done if r.text != expected.get(key(r))]
-    gaps = resume_gaps(affected, [k.killed_at for k in kills if k.hit])
+    gaps = resume_gaps(affected, kill_times)
     paths = Counter(p for r in affected for p in r.server_timings.get("recovery_paths", []))
     detects = [k.detected_after_s for k in kills if k.detected_after_s is not None]
     healed = [k for k in kills if k.hit]
@@ -137,6 +141,7 @@ def verdict(
         resume_gap_p50_s=percentile(gaps, 50),
         resume_gap_max_s=max(gaps) if gaps else None,
         recovery_paths=dict(paths),
+        resume_gap_by_path=_gap_by_path(details),
         kills=kills,
         detect_max_s=max(detects) if detects else None,
         full_strength_after_s=_worst(k.full_strength_after_s for k in healed),
@@ -156,19 +161,28 @@ def _wrong(record: RequestRecord, expected: str | None) -> dict:
     }
 
 
-def _affected(record: RequestRecord, baseline_s: float | None) -> dict:
+def _affected(record: RequestRecord, baseline_s: float | None, kill_times: list[float]) -> dict:
     timings = record.server_timings
     return {
         "index": record.index,
         "e2e_s": round(record.e2e_s, 3),
         "baseline_s": None if baseline_s is None else round(baseline_s, 3),
         "extra_s": None if baseline_s is None else round(record.e2e_s - baseline_s, 3),
+        "resume_gaps_s": [round(gap, 3) for gap in resume_gaps([record], kill_times)],
         "recoveries": timings.get("recoveries", []),
         "recovery_paths": timings.get("recovery_paths", []),
         "server_timings": {
             k: v for k, v in timings.items() if k not in ("recoveries", "recovery_paths")
         },
     }
+
+
+def _gap_by_path(details: list[dict]) -> dict[str, float]:
+    by_path: dict[str, list[float]] = {}
+    for entry in details:
+        if entry["recovery_paths"] and entry["resume_gaps_s"]:
+            by_path.setdefault(entry["recovery_paths"][0], []).append(entry["resume_gaps_s"][0])
+    return {path: round(statistics.median(gaps), 3) for path, gaps in sorted(by_path.items())}
 
 
 def _prompt_key(record: RequestRecord):
@@ -226,6 +240,7 @@ def format_report(report: DrillReport) -> str:
             f"{fmt(report.resume_gap_p50_s)} / {fmt(report.resume_gap_max_s)}",
         ),
         ("recovery paths", report.recovery_paths or "-"),
+        ("resume gap p50 by path (s)", report.resume_gap_by_path or "-"),
         ("time to detect, worst (s)", fmt(report.detect_max_s)),
         ("full strength again, worst (s)", fmt(report.full_strength_after_s)),
         ("kills hit / planned", f"{report.kills_hit} / {report.kills_planned}"),

@@ -168,3 +168,34 @@ def test_shared_memory_is_told_apart_from_private_memory():
     assert shared_after - shared_before >= 60 << 20
     assert private_after - private_before < 16 << 20
     pages.close()
+
+
+def test_the_report_compares_resume_gaps_by_recovery_path():
+    """Each affected stream's gap around the kill is kept, and the median per path
+    compares the paths within one drill."""
+    from bench.drill_report import KillEvent, verdict
+    from bench.loadgen import RequestRecord
+
+    def stream(index: int, times: list[float], path: str | None) -> RequestRecord:
+        timings = {"recoveries": ["decode_died"], "recovery_paths": [path]} if path else {}
+        return RequestRecord(
+            index,
+            prompt="p",
+            ok=True,
+            text="t",
+            end=times[-1],
+            chunk_times=times,
+            server_timings=timings,
+        )
+
+    records = [
+        stream(0, [1.0, 2.0, 2.5], "recompute"),  # gap 1.0 around the kill at 1.5
+        stream(1, [1.4, 1.7, 1.8], "recompute"),  # 0.3
+        stream(2, [1.2, 3.2, 3.3], "reprefill"),  # 2.0
+        stream(3, [1.0, 1.1, 1.2], None),  # done before the kill: not affected
+    ]
+    kill = KillEvent(1.5, "decode-0", "decode", pid=1, held_requests=3, killed_at=1.5)
+    reference = {"p": RequestRecord(9, prompt="p", ok=True, text="t", end=1.0)}
+    report = verdict(records, reference, [kill], {}, {})
+    assert [entry["resume_gaps_s"] for entry in report.affected_requests] == [[1.0], [0.3], [2.0]]
+    assert report.resume_gap_by_path == {"recompute": 0.65, "reprefill": 2.0}
