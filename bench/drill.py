@@ -239,12 +239,16 @@ async def strike(admin: Admin, role: str, sig: int, start: float) -> KillEvent:
 
 
 def held(worker: dict) -> int:
-    """Requests a worker's death would touch: its sequences, and (prefill workers) the
-    exports it would lose: not pulled yet, and not in a pool file that outlives it (shm).
-    An export already pulled stays leased until its request ends, but losing it costs
-    that request nothing."""
+    """Requests a worker's death would touch: its sequences with more than their next
+    token to make (one in its last step has finished by the time the signal lands: 3
+    such "held" requests made a drill FAIL with nothing to recover), and (prefill
+    workers) the exports it would lose: not pulled yet, and not in a pool file that
+    outlives it (shm). An export already pulled stays leased until its request ends,
+    but losing it costs that request nothing."""
+    left = worker.get("tokens_left") or {}
+    sequences = [rid for rid in worker.get("requests") or {} if left.get(rid, 2) > 1]
     exports = worker.get("exports_at_risk", worker.get("leases"))
-    return len(worker.get("requests") or {}) + len(exports or [])
+    return len(sequences) + len(exports or [])
 
 
 def choose_victim(workers: list[dict], role: str) -> dict | None:

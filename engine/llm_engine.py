@@ -377,6 +377,14 @@ class LLMEngine:
             for rid, seq in self.sequences.items()
         }
 
+    def tokens_left(self) -> dict[str, int]:
+        """Request id -> output tokens it may still make (a drill does not count a
+        sequence about to finish as something a kill could take)."""
+        return {
+            rid: seq.params.max_tokens - len(seq.output_token_ids)
+            for rid, seq in self.sequences.items()
+        }
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 

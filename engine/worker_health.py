@@ -60,6 +60,7 @@ def engine_state(engine: LLMEngine) -> dict:
         "used_blocks": engine.allocator.num_used,
         "sequences": len(engine.sequences),
         "requests": engine.request_states(),
+        "tokens_left": engine.tokens_left(),
         "kv_pool_private_resident_bytes": engine.kv_pool.private_resident_bytes(),
     }
 

@@ -199,3 +199,29 @@ def test_the_report_compares_resume_gaps_by_recovery_path():
     report = verdict(records, reference, [kill], {}, {})
     assert [entry["resume_gaps_s"] for entry in report.affected_requests] == [[1.0], [0.3], [2.0]]
     assert report.resume_gap_by_path == {"recompute": 0.65, "reprefill": 2.0}
+
+
+def test_a_sequence_in_its_last_step_is_not_counted_as_held():
+    """It finishes before the signal lands: a kill that 'hit' three of them recovered
+    nothing and the drill failed."""
+    from bench.drill import choose_victim, held
+
+    ending = {
+        "worker_id": "decode-0",
+        "role": "decode",
+        "alive": True,
+        "pid": 1,
+        "requests": {"a": "running+blocks", "b": "running+blocks", "c": "running+blocks"},
+        "tokens_left": {"a": 1, "b": 1, "c": 0},
+    }
+    busy = {
+        "worker_id": "decode-1",
+        "role": "decode",
+        "alive": True,
+        "pid": 2,
+        "requests": {"d": "running+blocks"},
+        "tokens_left": {"d": 30},
+    }
+    assert (held(ending), held(busy)) == (0, 1)
+    assert choose_victim([ending, busy], "decode")["worker_id"] == "decode-1"
+    assert choose_victim([ending], "decode") is None
