@@ -217,7 +217,9 @@ class RequestFlow:
 
     def _prefill_request(self, req: ClusterRequest) -> PrefillRequest:
         peer = req.decode_pick.worker.worker_id if req.decode_pick else ""
-        return PrefillRequest(req.request_id, req.prompt_ids, req.params, peer)
+        return PrefillRequest(
+            req.request_id, req.prompt_ids, req.params, peer, req.timeline.arrival
+        )
 
     # --- decode -----------------------------------------------------------------------
 
@@ -285,7 +287,9 @@ class RequestFlow:
         params = kv_only(req.params, len(req.decided))
         try:
             reply = await worker.handle.prefill.remote(
-                PrefillRequest(req.request_id, tokens, params, decode.worker_id)
+                PrefillRequest(
+                    req.request_id, tokens, params, decode.worker_id, req.timeline.arrival
+                )
             )
         except WORKER_FAILURES as exc:
             req.let_go(worker)

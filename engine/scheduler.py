@@ -59,9 +59,15 @@ class Scheduler:
     # --- queues -----------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
+        """Queue a sequence to compute, in line order: one that reached the cluster
+        earlier (a stream rebuilt after its decode worker died) waits ahead of those
+        that came after it; arrivals in order simply append."""
         self._landed(seq)
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        place = len(self.waiting)
+        while place > 0 and _line(self.waiting[place - 1]) > _line(seq):
+            place -= 1
+        self.waiting.insert(place, seq)
 
     def add_import(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.IMPORTING

@@ -28,6 +28,10 @@ class PrefillRequest:
     params: SamplingParams
     peer_id: str
     """The decode worker the export is meant for (the lease's expected reader)."""
+    arrival: float | None = None
+    """When the request reached the cluster (the driver's clock): its place in the
+    prefill queue, so a stream rebuilt after its decode worker died goes ahead of the
+    prompts that came after it."""
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,11 @@ class PrefillWorker(EngineActor):
         try:
             seq = await loop.call(
                 lambda e: e.add_request(
-                    request_id, request.prompt_token_ids, request.params, stop_after_prefill=True
+                    request_id,
+                    request.prompt_token_ids,
+                    request.params,
+                    stop_after_prefill=True,
+                    priority=request.arrival,
                 )
             )
             item = await stream.get()

@@ -560,6 +560,21 @@ def replay_decode(landings: dict[int, list[tuple[str, float]]], steps: int = 12)
     return batches
 
 
+def test_a_prompt_that_reached_the_cluster_earlier_waits_ahead_of_later_ones():
+    """A stream rebuilt on a prefill worker after its decode worker died is an old
+    request: it is prefilled before the prompts that arrived after it."""
+    from engine.block_manager import BlockAllocator
+    from engine.config import EngineConfig
+    from engine.scheduler import Scheduler
+    from engine.sequence import Sequence
+
+    scheduler = Scheduler(EngineConfig(block_size=4, num_kv_blocks=64), BlockAllocator(64))
+    params = SamplingParams(max_tokens=4)
+    for request_id, arrival in [("b", 2.0), ("c", 3.0), ("a", 1.0), ("d", 4.0), ("e", 4.0)]:
+        scheduler.add(Sequence(request_id, [1] * 6, params, priority=arrival))
+    assert [seq.request_id for seq in scheduler.waiting] == ["a", "b", "c", "d", "e"]
+
+
 def test_the_decode_batches_follow_the_arrival_order_not_the_landing_order():
     # Four requests reached the cluster at t=1..4; their imports land at steps 0, 0, 2, 2
     # and at most 3 sequences decode at once.
