@@ -246,7 +246,7 @@ def held(worker: dict) -> int:
     outlives it (shm). An export already pulled stays leased until its request ends,
     but losing it costs that request nothing."""
     left = worker.get("tokens_left") or {}
-    sequences = [rid for rid in worker.get("requests") or {} if left.get(rid, 2) > 1]
+    sequences = [rid for rid in worker.get("requests") or {} if rid not in left or left[rid] > 1]
     exports = worker.get("exports_at_risk", worker.get("leases"))
     return len(sequences) + len(exports or [])
 

@@ -79,8 +79,9 @@ class PDCluster:
     def _remember_decoded(self, req: ClusterRequest) -> None:
         """Its decode worker now caches the prompt and all outputs but the last (whose KV
         was never computed): the conversation's next turn is routed there."""
-        tokens = req.prompt_ids + req.decided[:-1]
-        self.router.remember_decoded(req.timeline.decode_worker, tokens, req.params.cache_salt)
+        self.router.remember_decoded(
+            req.timeline.decode_worker, req.kv_tokens, req.params.cache_salt
+        )
 
     async def start(self) -> PDCluster:
         await self.controller.start()

@@ -105,6 +105,12 @@ class ClusterRequest:
         self._holders: dict[str, WorkerInfo] = {}
 
     @property
+    def kv_tokens(self) -> list[int]:
+        """The prompt and every decided token but the last: what a worker must hold the
+        KV of to continue the stream (the last one's KV is computed by the next step)."""
+        return self.prompt_ids + self.decided[:-1]
+
+    @property
     def closed(self) -> bool:
         return self.close_reason is not None
 

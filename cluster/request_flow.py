@@ -233,8 +233,7 @@ class RequestFlow:
                 path = await self._rebuild_kv(req, claim.worker)
                 req.timeline.recovery_paths.append(path)
                 if path == "recompute" and self.config.mode == "disaggregated":
-                    tokens = len(req.prompt_ids) + max(len(req.decided) - 1, 0)
-                    self._prefill_locally(req, claim.worker, tokens)
+                    self._prefill_locally(req, claim.worker, len(req.kv_tokens))
             try:
                 async for chunk in self._decode_on(claim, req):
                     yield chunk
@@ -268,10 +267,10 @@ class RequestFlow:
         falls back."""
         if self.config.mode != "disaggregated" or self.disaggregation.mode == "never":
             return "recompute"
-        tokens = req.prompt_ids + req.decided[:-1]
+        tokens = req.kv_tokens
         salt = req.params.cache_salt
         try:
-            claim, _ = self.router.pick_holder("prefill", req.request_id, tokens, salt)
+            claim = self.router.pick_holder("prefill", req.request_id, tokens, salt)
         except NoLiveWorkerError:
             return "recompute"
         choice = self.disaggregation.choose(tokens, claim.worker, decode, True, salt)

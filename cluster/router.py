@@ -290,11 +290,11 @@ class Router:
 
     def pick_holder(
         self, role: str, request_id: str, tokens: list[int], salt: str | None = None
-    ) -> tuple[Claim, int]:
+    ) -> Claim:
         """A claim on the live worker of `role` whose prefix cache (as far as the router
-        knows) holds the most of `tokens`, the less loaded one on a tie, and how many of
-        the tokens it holds. Called by recovery, where reusing KV a worker computed
-        already beats spreading load; the caller must release the claim."""
+        knows) holds the most of `tokens`, the less loaded one on a tie, loaded with the
+        tokens it lacks. Called by recovery, where reusing KV a worker computed already
+        beats spreading load; the caller must release the claim."""
         candidates = self.live(role)
         if not candidates:
             raise NoLiveWorkerError(role, request_id)
@@ -302,7 +302,7 @@ class Router:
         cached = {w.worker_id: self.views.cached_blocks(w, hashes) for w in candidates}
         worker = min(candidates, key=lambda w: (-cached[w.worker_id], *w.score()))
         cached_tokens = min(len(tokens), cached[worker.worker_id] * (self.views.block_size or 0))
-        return Claim(worker, len(tokens) - cached_tokens), cached_tokens
+        return Claim(worker, len(tokens) - cached_tokens)
 
     def remember_decoded(
         self, worker_id: str | None, tokens: list[int], salt: str | None = None
