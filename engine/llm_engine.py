@@ -86,9 +86,11 @@ class StepRecord:
     decode_seqs: int
     prefill_seqs: int
     prefill_tokens: int
+    threads: int = 0
+    """CPU threads the forward ran on (`engine.threads`); 0 where it did not choose."""
 
     @classmethod
-    def of(cls, started: float, seconds: float, chunks: list) -> StepRecord:
+    def of(cls, started: float, seconds: float, chunks: list, threads: int = 0) -> StepRecord:
         prefill = [c for c in chunks if c.num_new_tokens > 1 or not c.seq.output_token_ids]
         return cls(
             started,
@@ -96,6 +98,7 @@ class StepRecord:
             decode_seqs=len(chunks) - len(prefill),
             prefill_seqs=len(prefill),
             prefill_tokens=sum(c.num_new_tokens for c in prefill),
+            threads=threads,
         )
 
 
@@ -432,7 +435,9 @@ class LLMEngine:
                 self._append_token(seq, token, logprobs)
                 for seq, token, logprobs in zip(seqs, sampled.tokens, sampled.logprobs, strict=True)
             ]
-        self.step_trace.append(StepRecord.of(started, clock.now() - started, chunks))
+        self.step_trace.append(
+            StepRecord.of(started, clock.now() - started, chunks, self.model.last_threads)
+        )
         return outputs
 
     def _count_batch(self, chunks: list) -> None:

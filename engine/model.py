@@ -71,6 +71,8 @@ class LlamaForward:
         self.heads = HeadSizes(spec.num_heads, spec.num_kv_heads, spec.head_dim)
         self.thread_choice: ThreadChoice | None = None
         self.pin_threads = False
+        self.last_threads = 0
+        """Threads the latest native CPU step ran on (0: not chosen), for the step trace."""
         """True: every step runs on torch's configured thread count (benchmarks)."""
         self.fused_decode = None
         if self.ops.name == "native" and attention.name == "native":
@@ -99,7 +101,7 @@ class LlamaForward:
         if self.thread_choice is None or max(self.thread_choice.counts) != configured:
             self.thread_choice = ThreadChoice(configured, pinned=self.pin_threads)
         key = (not meta.prefill_chunks, input_ids.shape[0].bit_length())
-        threads = self.thread_choice.pick(key)
+        threads = self.last_threads = self.thread_choice.pick(key)
         torch.set_num_threads(threads)
         start = time.perf_counter()
         try:

@@ -8,9 +8,10 @@ barrier for up to a scheduler slice, and two threads end up far slower than one
 (measured on the 2-core EPYC with other jobs on the machine: median decode step 34 ms
 on one thread, 711 ms on two; prefill 300 vs 123 tok/s). So `LlamaForward` asks
 `pick` before each CPU step and reports the step's wall time to `record`; per kind of
-step and size bucket it keeps a moving average per thread count, runs the faster one,
-and retries the other now and then, less often each time it loses again, and a retry
-of more threads only when the cores were mostly idle meanwhile. The native
+step and size bucket it keeps a moving average per thread count (the first step of a
+kind, cold, is not counted), runs the faster one, and retries the other now and then,
+less often each time it loses again, and a retry of more threads only when other
+processes left the cores mostly idle meanwhile. The native
 kernels split work by the batch, never by the threads, so switching changes timing
 only; torch's own ops may round differently on another thread count.
 """
@@ -30,11 +31,34 @@ IDLE_CORES_FOR_RETRY = 0.5
 """A retry of more threads waits until about this many cores were idle meanwhile."""
 
 
+@dataclass(frozen=True)
+class CpuSample:
+    """Cumulative CPU ticks at one moment: the machine's idle and total, this process's."""
+
+    idle: int
+    total: int
+    ours: float
+
+
+def free_cores(before: CpuSample, after: CpuSample, cores: int) -> float | None:
+    """Cores that other processes left free between two samples: idle ones plus the
+    ones this process kept busy itself; None when no tick passed."""
+    elapsed = after.total - before.total
+    if elapsed <= 0:
+        return None
+    free = (after.idle - before.idle) + max(0.0, after.ours - before.ours)
+    return min(float(cores), free / elapsed * cores)
+
+
 def idle_cores() -> Callable[[], float | None]:
-    """A probe: cores idle on average since its previous call (from /proc/stat), or None
-    where that cannot be read. A retry that would meet a busy core is a slow step, so
-    the chooser looks before it tries."""
-    last: list[tuple[int, int] | None] = [None]
+    """A probe: cores left idle by every *other* process on average since its previous
+    call (from /proc/stat, less this process's own CPU time), or None where that cannot
+    be read. A retry that would meet a busy core is a slow step, so the chooser looks
+    before it tries. This engine's own steps do not count as busy: they are the threads
+    being chosen (a served engine decodes between its prefill steps, and counting that
+    as load kept a prefill bucket on one thread for good)."""
+    last: list[CpuSample | None] = [None]
+    ticks_per_s = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
     def probe() -> float | None:
         try:
@@ -42,11 +66,12 @@ def idle_cores() -> Callable[[], float | None]:
                 fields = [int(v) for v in handle.readline().split()[1:]]
         except (OSError, ValueError):
             return None
-        idle, total = fields[3] + fields[4], sum(fields[:8])
-        previous, last[0] = last[0], (idle, total)
-        if previous is None or total == previous[1]:
-            return None
-        return (idle - previous[0]) / (total - previous[1]) * (os.cpu_count() or 1)
+        own = os.times()
+        sample = CpuSample(
+            fields[3] + fields[4], sum(fields[:8]), (own.user + own.system) * ticks_per_s
+        )
+        previous, last[0] = last[0], sample
+        return None if previous is None else free_cores(previous, sample, os.cpu_count() or 1)
 
     return probe
 
@@ -56,6 +81,8 @@ class _Bucket:
     average: dict[int, float] = field(default_factory=dict)
     retry_in: int = FIRST_RETRY
     countdown: int = FIRST_RETRY
+    warmed: bool = False
+    """The first step of this kind has run (it is not recorded)."""
 
 
 class ThreadChoice:
@@ -94,6 +121,12 @@ class ThreadChoice:
         if len(self.counts) == 1:
             return
         bucket = self.buckets.setdefault(key, _Bucket())
+        if not bucket.warmed:
+            # The first step of a kind touches fresh scratch and pool pages and is slower
+            # by itself; judging by it once put a served engine's prefill on one thread
+            # (2x slower) for the rest of the run.
+            bucket.warmed = True
+            return
         averages = bucket.average
         best = min(averages, key=averages.__getitem__, default=threads)
         if threads == best:

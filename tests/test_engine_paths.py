@@ -295,3 +295,31 @@ def test_thread_choice_follows_the_faster_count_and_comes_back():
     assert busy.count(2) <= 1  # the one step that found the busy core
     assert after.count(2) > 0.9 * len(after)
     assert ThreadChoice(1).pick(16) == 1
+
+
+def test_a_thread_counts_first_step_of_a_kind_does_not_decide():
+    """The first step of a kind is cold (fresh pages) and not recorded: a slow first
+    two-thread prefill must not put every later prefill on one thread."""
+    from engine.threads import ThreadChoice
+
+    choice = ThreadChoice(2, idle_probe=lambda: 0.0)  # served: never idle
+    picked = []
+    for step in range(40):
+        threads = choice.pick("prefill")
+        choice.record("prefill", threads, 1.0 if step == 0 else {1: 0.9, 2: 0.5}[threads])
+        picked.append(threads)
+    assert picked[:3] == [2, 2, 1]
+    assert picked[3:].count(1) <= 2  # the occasional retry of one thread
+
+
+def test_free_cores_do_not_count_this_processes_own_threads():
+    """The retry probe asks whether *other* processes left cores free: an engine busy
+    with its own decode steps between two prefills still finds both cores free."""
+    from engine.threads import CpuSample, free_cores
+
+    before = CpuSample(idle=1000, total=5000, ours=300.0)
+    ours_busy = CpuSample(idle=1010, total=5200, ours=480.0)  # 180 of 200 ticks ours
+    other_busy = CpuSample(idle=1010, total=5200, ours=300.0)  # someone else's
+    assert free_cores(before, ours_busy, 2) == pytest.approx(1.9)
+    assert free_cores(before, other_busy, 2) == pytest.approx(0.1)
+    assert free_cores(before, before, 2) is None
