@@ -265,9 +265,19 @@ def _run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--servers: {exc}") from None
     args.api_key, args.model = None, None
     maker = PromptMaker.from_arg(args.tokenizer)
-    results = [asyncio.run(measure(server, args, maker)) for server in servers]
-    print(format_table(results))
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump({"machine": machine_info(), "servers": results}, handle, indent=2)
-    return 0
+    results, failed = [], []
+    for server in servers:
+        try:
+            results.append(asyncio.run(measure(server, args, maker)))
+        except Exception as exc:  # one server that will not start or run must not lose the rest
+            print(f"[{server.label}] failed: {exc}")
+            failed.append({"server": server.label, "error": str(exc)})
+        if args.json:  # after every server: a later failure keeps what was measured
+            with open(args.json, "w") as handle:
+                report = {"machine": machine_info(), "servers": results, "failed": failed}
+                json.dump(report, handle, indent=2)
+    if results:
+        print(format_table(results))
+    for failure in failed:
+        print(f"{failure['server']}: FAILED ({failure['error'].splitlines()[-1][:200]})")
+    return 1 if failed else 0

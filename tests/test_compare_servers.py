@@ -65,3 +65,34 @@ def test_a_pdserve_server_carries_its_own_flags_and_is_labelled_by_them():
 def test_an_unknown_server_or_flags_on_vllm_are_refused(text):
     with pytest.raises(ValueError, match=r"pdserve serve|expected one of"):
         ServerSpec.parse(text)
+
+
+def test_a_server_that_fails_does_not_lose_the_others(monkeypatch, tmp_path, capsys):
+    """A pdserve setting that its config refuses (or a server that dies) is reported as
+    failed; the servers measured before and after it keep their rows and their JSON."""
+    import argparse
+    import json
+
+    import bench.compare_servers as compare
+    import bench.prompt_text
+
+    async def fake_measure(server, args, maker):
+        if "256" in server.label:
+            raise RuntimeError("server exited with 1: ConfigError: prefill_chunk_size ...")
+        return {"server": server.label, "points": [point("concurrency=16", 80.0, 2.0)]}
+
+    monkeypatch.setattr(compare, "measure", fake_measure)
+    monkeypatch.setattr(bench.prompt_text.PromptMaker, "from_arg", staticmethod(lambda _: None))
+    out = tmp_path / "compare.json"
+    args = argparse.Namespace(
+        servers="vllm-fp32,pdserve-colocated@--max-batch-tokens=256,pdserve-colocated",
+        tokenizer="demo",
+        json=str(out),
+    )
+    assert compare._run(args) == 1
+    printed = capsys.readouterr().out
+    assert "pdserve-colocated --max-batch-tokens=256: FAILED" in printed
+    assert any(line.startswith("pdserve-colocated ") for line in printed.splitlines())
+    report = json.loads(out.read_text())
+    assert [r["server"] for r in report["servers"]] == ["vllm-fp32", "pdserve-colocated"]
+    assert report["failed"][0]["server"] == "pdserve-colocated --max-batch-tokens=256"
