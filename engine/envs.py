@@ -28,6 +28,17 @@ def kernel_cache_dir() -> Path:
     return Path(os.environ.get("PDSERVE_KERNEL_CACHE", default)).expanduser()
 
 
+def kernel_vector_width() -> int | None:
+    """PDSERVE_KERNEL_VECTOR_WIDTH: 8 or 16 floats per vector for the native CPU kernels
+    (default: 16 where the CPU has AVX-512F, else 8)."""
+    value = os.environ.get("PDSERVE_KERNEL_VECTOR_WIDTH", "").strip()
+    if not value:
+        return None
+    if value not in ("8", "16"):
+        raise ValueError(f"PDSERVE_KERNEL_VECTOR_WIDTH must be 8 or 16, not {value!r}")
+    return int(value)
+
+
 def tokenizer_cache_dir() -> Path:
     """PDSERVE_TOKENIZER_CACHE: each model's effective Rust tokenizer, so workers start
     without importing transformers (default ~/.cache/pdserve/tokenizers)."""

@@ -5,7 +5,9 @@ Called by `engine.native.ops.native_kernels()` the first time an engine wants th
 float32 CPU kernels. The shared object is cached under `PDSERVE_KERNEL_CACHE`
 (default ~/.cache/pdserve/kernels), named by a hash of the source, the compiler
 flags, the compiler's version and the CPU's model and flags (`-march=native` code
-must not run on a CPU it was not built for). Several workers starting at once may
+must not run on a CPU it was not built for). The vector width follows the CPU: 16 floats
+(zmm) where it has AVX-512F, 8 (ymm) otherwise; `PDSERVE_KERNEL_VECTOR_WIDTH` overrides
+it. Several workers starting at once may
 all compile; each writes a private temporary file and renames it into place, so a
 reader never sees a half-written library. A cold compile takes about a second.
 """
@@ -22,13 +24,24 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from engine.envs import kernel_cache_dir
+from engine.envs import kernel_cache_dir, kernel_vector_width
 from engine.platform import cpu_flags
 
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
+
+
+def vector_width() -> int:
+    """Floats per vector the kernels are built for. On the AVX-512 EPYC (Zen 5) a
+    512-token prefill's projections ran at 360 GFLOP/s on 16 lanes against 170-210 on 8
+    (docs/benchmarks.md, issue 19); where the CPU has no AVX-512F, 16 would not run."""
+    return kernel_vector_width() or (16 if "avx512f" in cpu_flags() else 8)
+
+
+def _flags() -> tuple[str, ...]:
+    return (*FLAGS, f"-DVL={vector_width()}")
 
 
 class KernelBuildError(RuntimeError):
@@ -63,7 +76,7 @@ def _cache_key(compiler: str) -> str:
     digest = hashlib.sha256()
     for path in [*_sources(), *sorted(SOURCE_DIR.glob("*.h"))]:
         digest.update(path.name.encode() + path.read_bytes())
-    for part in (" ".join(FLAGS), version, _cpu_model(), " ".join(sorted(cpu_flags()))):
+    for part in (" ".join(_flags()), version, _cpu_model(), " ".join(sorted(cpu_flags()))):
         digest.update(part.encode())
     return digest.hexdigest()[:20]
 
@@ -80,7 +93,7 @@ def build_library(cache_dir: Path | None = None) -> Path:
     os.close(fd)
     try:
         result = subprocess.run(
-            [compiler, *FLAGS, *map(str, _sources()), "-o", scratch, "-lm"],
+            [compiler, *_flags(), *map(str, _sources()), "-o", scratch, "-lm"],
             capture_output=True,
             text=True,
             check=False,

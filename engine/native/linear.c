@@ -129,12 +129,15 @@ static void gemm_strips(const float *x, long ldx, long M, long K, const float *w
          * from L1, fetches the following piece (strips are consecutive in memory). */
         const float *next = ws + (k0 + kc) * PD_NR;
         next = next + kc * PD_NR <= end ? next : 0;
-        for (long m = m0; m < m1; m += MR_MAX) {
-          long mr = m1 - m < MR_MAX ? m1 - m : MR_MAX;
-          int fetcher = m == (m1 - m0 > MR_MAX ? m0 + MR_MAX : m0);
+        long groups = (m1 - m0 + MR_MAX - 1) / MR_MAX, base = (m1 - m0) / groups;
+        long extra = (m1 - m0) % groups;
+        for (long g = 0, m = m0; g < groups; g++) {
+          long mr = base + (g < extra);
+          int fetcher = g == (groups > 1);
           TILES[mr](x + m * ldx + k0, ldx, ws + k0 * PD_NR, kc, y + m * ldy + s * PD_NR, ldy,
                     accumulate || k0 > 0, last && bias ? bias + s * PD_NR : 0,
                     fetcher ? next : 0);
+          m += mr;
         }
       }
     }

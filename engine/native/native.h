@@ -12,10 +12,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Eight floats per vector (AVX2 ymm) on every x86 CPU, AVX-512 ones included: the
- * 16-wide build compiles (-DVL=16) but has never run on the machines that test this
- * code, and exact output comes before the last 20% of fp32 speed on a Xeon (where
- * bf16 through oneDNN/AMX is the fast path anyway). */
+/* Floats per vector of the projections (linear.c): build.py passes -DVL=16 (zmm) where
+ * the CPU has AVX-512F, else 8 (ymm). A projection's output column sums its K products
+ * in the same order at either width (one lane per column), so the width changes speed,
+ * not the matmuls' results. Attention keeps its own 8-wide types (f8 below). */
 #ifndef VL
 #define VL 8
 #endif
