@@ -32,6 +32,7 @@ from engine.block_manager import blocks_needed
 from engine.demo_model import resolve_model
 from engine.errors import InvalidRequestError
 from engine.kv_cache import KVLayout
+from engine.layer_ops import activation_dtype
 from engine.model_spec import load_model_spec
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
@@ -64,8 +65,11 @@ class PDCluster:
         self.controller = Controller(config)
         self.router = Router(config.router_policy, self.controller.workers)
         self.flow = RequestFlow(config, self.router, self.controller.mark_dead)
+        kv_dtype = activation_dtype(
+            "auto", config.engine_config("decode").torch_dtype, config.device
+        )
         self.flow.disaggregation.costs.block_bytes = KVLayout.for_model(
-            spec, config.engine_config("decode").torch_dtype, config.block_size
+            spec, kv_dtype, config.block_size
         ).block_nbytes
         self.on_finish: list[Callable[[ClusterRequest], None]] = [
             lambda req: self.flow.costs.observe(req.timeline),

@@ -21,7 +21,15 @@ from engine.config import KERNEL_CHOICES
 from engine.config import Kernels as KernelChoice
 from engine.linear import linear
 
-__all__ = ["KERNEL_CHOICES", "HeadSizes", "KernelChoice", "Linear", "TorchOps", "make_layer_ops"]
+__all__ = [
+    "KERNEL_CHOICES",
+    "HeadSizes",
+    "KernelChoice",
+    "Linear",
+    "TorchOps",
+    "activation_dtype",
+    "make_layer_ops",
+]
 RESIDUAL_DTYPE = torch.float32
 
 
@@ -104,21 +112,43 @@ class TorchOps:
 
 
 def make_layer_ops(choice: KernelChoice, dtype: torch.dtype, device: str, eps: float):
-    """`native` where it applies (float32 on CPU, kernels compiled), else `TorchOps`.
+    """`native` where it applies, else `TorchOps`: on CPU with the kernels compiled, in
+    float32, and in bfloat16 where the CPU has AVX512-BF16 but no AMX (bf16 weights,
+    float32 activations and KV: `activation_dtype`).
 
     `auto` falls back quietly; an explicit `native` that cannot run raises."""
     if choice not in KERNEL_CHOICES:
         raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {choice!r}")
     if choice == "torch":
         return TorchOps(eps)
-    applies = dtype == torch.float32 and torch.device(device).type == "cpu"
-    if applies:
-        from engine.native.ops import NativeOps, native_kernels
+    kernels = _native_kernels_for(dtype, device)
+    if kernels is not None:
+        from engine.native.ops import NativeOps
 
-        kernels = native_kernels()
-        if kernels is not None:
-            return NativeOps(kernels, eps)
+        return NativeOps(kernels, eps, weights_bf16=dtype == torch.bfloat16)
     if choice == "native":
-        reason = "the kernels did not build" if applies else "they need float32 on CPU"
-        raise ValueError(f"kernels='native' cannot run here: {reason}")
+        raise ValueError(
+            "kernels='native' cannot run here: they need a C compiler and a CPU, in float32 "
+            "(or bfloat16 on a CPU with AVX512-BF16 and no AMX)"
+        )
     return TorchOps(eps)
+
+
+def activation_dtype(choice: KernelChoice, dtype: torch.dtype, device: str) -> torch.dtype:
+    """The dtype of the activations and the KV cache of a model run in `dtype`: float32
+    where the native kernels run it on bf16 weights, `dtype` otherwise."""
+    if choice != "torch" and _native_kernels_for(dtype, device) is not None:
+        return torch.float32
+    return dtype
+
+
+def _native_kernels_for(dtype: torch.dtype, device: str):
+    if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    from engine.native.ops import native_kernels
+    from engine.platform import cpu_prefers_native_bf16
+
+    kernels = native_kernels()
+    if kernels is None or dtype == torch.float32:
+        return kernels
+    return kernels if kernels.bf16 and cpu_prefers_native_bf16() else None

@@ -121,7 +121,7 @@ class LLMEngine:
             config.device,
             max_positions=self.max_model_len,
         )
-        self.layout = KVLayout.for_model(self.spec, config.torch_dtype, config.block_size)
+        self.layout = KVLayout.for_model(self.spec, self.model.activation_dtype, config.block_size)
         self.kv_pool = KVCachePool(self.layout, config.num_kv_blocks, config.device)
         self.allocator = BlockAllocator(config.num_kv_blocks, self._prefix_cache(config))
         self.scheduler = Scheduler(config, self.allocator)

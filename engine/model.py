@@ -59,13 +59,23 @@ class LlamaForward:
         self.dtype = dtype
         self.device = device
         self.ops = make_layer_ops(kernels, dtype, device, spec.rms_norm_eps)
-        self.weights = load_prepared_weights(Path(model_dir), spec, dtype, device, self.ops)
+        self.activation_dtype = dtype if self.ops.name == "torch" else torch.float32
+        """Of the activations and the KV cache: float32 on the native kernels, whose bf16
+        mode keeps only the projections' weights in bf16."""
+        self.weights = load_prepared_weights(
+            Path(model_dir), spec, self.activation_dtype, device, self.ops
+        )
         self.rope = RotaryEmbedding(
-            spec.hf_config, max_positions or spec.max_position_embeddings, dtype, device
+            spec.hf_config,
+            max_positions or spec.max_position_embeddings,
+            self.activation_dtype,
+            device,
         )
         if not isinstance(attention, AttentionBackend):
             kernel_kind = "torch" if self.ops.name == "torch" else "auto"
-            attention = make_attention_backend(attention or "auto", dtype, device, kernel_kind)
+            attention = make_attention_backend(
+                attention or "auto", self.activation_dtype, device, kernel_kind
+            )
         self.attention = attention
         self.scale = spec.head_dim**-0.5
         self.heads = HeadSizes(spec.num_heads, spec.num_kv_heads, spec.head_dim)

@@ -3,6 +3,8 @@ attention backend available here; float32 greedy output equals transformers' on 
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,13 +18,16 @@ from engine.attention import (
 from engine.layer_ops import Linear
 from engine.model import LlamaForward
 from engine.model_runner import ModelRunner
+from engine.native.build import build_library
 from engine.native.ops import (
     PROLOGUE_NONE,
     PROLOGUE_RMSNORM,
     PROLOGUE_SILU_MUL,
+    NativeKernels,
     NativeOps,
     native_kernels,
 )
+from engine.platform import cpu_flags, cpu_prefers_native_bf16
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk
 from tests.conftest import assert_no_leaks, make_engine
@@ -83,6 +88,79 @@ def test_native_linear_matches_float64(rows, out_features, prologue):
 
     expected = start.double() + reference_linear(x, projection, prologue, norm_weight, 1e-5)
     torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-5)
+
+
+@needs_native
+@pytest.mark.skipif("avx512f" not in cpu_flags(), reason="16-float vectors need AVX-512F")
+@pytest.mark.parametrize("prologue", [PROLOGUE_NONE, PROLOGUE_SILU_MUL])
+def test_both_vector_widths_give_the_same_projection_bits(tmp_path, monkeypatch, prologue):
+    """One lane per output column, K summed in the same order: the kernels' vector width
+    (8 or 16 floats, chosen by the build from the CPU) changes speed, not results."""
+    generator = torch.Generator().manual_seed(7 + prologue)
+    in_features = 576
+    width = 2 * in_features if prologue == PROLOGUE_SILU_MUL else in_features
+    weight = torch.randn(96, in_features, generator=generator)
+    inputs = {rows: torch.randn(rows, width, generator=generator) for rows in (1, 5, 16, 29)}
+    results = []
+    for lanes in ("8", "16"):
+        monkeypatch.setenv("PDSERVE_KERNEL_VECTOR_WIDTH", lanes)
+        kernels = NativeKernels(ctypes.CDLL(str(build_library(tmp_path / lanes))))
+        assert kernels.strip == 2 * int(lanes)
+        ops = NativeOps(kernels, eps=1e-5)
+        packed = ops.prepare_linear(Linear(weight, None))
+        outs = {}
+        for rows, x in inputs.items():
+            outs[rows] = torch.zeros(rows, 96)
+            ops._linear(x, packed, outs[rows], prologue, None, accumulate=False)
+        results.append(outs)
+    for rows in inputs:
+        assert torch.equal(results[0][rows], results[1][rows]), rows
+
+
+def needs_bf16_native() -> bool:
+    kernels = native_kernels()
+    return kernels is not None and kernels.bf16 and cpu_prefers_native_bf16()
+
+
+@pytest.mark.skipif(
+    native_kernels() is None or not native_kernels().bf16, reason="no AVX512-BF16 kernels here"
+)
+@pytest.mark.parametrize("rows", [1, 5, 16, 29, 300])
+@pytest.mark.parametrize("shape", [(576, 96), (301, 37)])
+@pytest.mark.parametrize("prologue", [PROLOGUE_NONE, PROLOGUE_RMSNORM, PROLOGUE_SILU_MUL])
+def test_bf16_linear_is_float64_over_bf16_inputs(rows, shape, prologue):
+    """bf16 weights, inputs rounded to bf16 after the prologue, float32 sums: every tile
+    height, a strip tail, an odd K (its pad), bias and accumulate. The RMSNorm prologue
+    computes in float32 in another order than torch, so an input can round to the next
+    bf16 now and then: a looser bound there."""
+    in_features, out_features = shape
+    generator = torch.Generator().manual_seed(rows + in_features + prologue)
+    width = 2 * in_features if prologue == PROLOGUE_SILU_MUL else in_features
+    x = torch.randn(rows, width, generator=generator)
+    projection = Linear(
+        torch.randn(out_features, in_features, generator=generator),
+        torch.randn(out_features, generator=generator),
+    )
+    norm_weight = torch.rand(in_features, generator=generator) + 0.5
+    ops = NativeOps(native_kernels(), eps=1e-5, weights_bf16=True)
+    packed = ops.prepare_linear(projection)
+    start = torch.randn(rows, out_features, generator=generator)
+    out = start.clone()
+
+    ops._linear(x, packed, out, prologue, norm_weight, accumulate=True)
+
+    inputs = x
+    if prologue == PROLOGUE_RMSNORM:
+        inputs = F.rms_norm(x, (in_features,), norm_weight, 1e-5)
+    elif prologue == PROLOGUE_SILU_MUL:
+        gate, up = x.chunk(2, dim=-1)
+        inputs = F.silu(gate) * up
+    rounded = Linear(projection.weight.bfloat16().double(), projection.bias.double())
+    expected = start.double() + F.linear(inputs.bfloat16().double(), rounded.weight, rounded.bias)
+    atol = 0.05 if prologue == PROLOGUE_RMSNORM else 1e-3
+    torch.testing.assert_close(out.double(), expected, atol=atol, rtol=1e-5)
+    ids = torch.tensor([0, 3, out_features - 1])
+    assert torch.equal(packed.rows(ids), projection.weight[ids].bfloat16().float())
 
 
 @needs_native
@@ -241,14 +319,19 @@ def test_decode_graph_buckets_pad_without_changing_logits(tiny_llama_dir):
 
 
 @needs_native
-def test_fused_decode_step_matches_per_operation_path_on_any_thread_count(tiny_llama_dir):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_decode_step_matches_per_operation_path_on_any_thread_count(tiny_llama_dir, dtype):
     """A decode-only step runs as one native call; its logits match the operation-by-
-    operation path, and are bit-identical on one thread and on two."""
-    engine = make_engine(tiny_llama_dir)
+    operation path, and are bit-identical on one thread and on two (bf16 weights too,
+    where the CPU runs them natively)."""
+    if dtype == "bfloat16" and not needs_bf16_native():
+        pytest.skip("bf16 runs on torch here (no AVX512-BF16, or AMX)")
+    engine = make_engine(tiny_llama_dir, dtype=dtype)
     chunks = _decode_step_inputs(engine, [5, 17, 30])
     step = engine.runner.build_step(chunks)
     model = engine.model
     assert model.fused_decode is not None
+    assert model.weights.lm_head.bf16 == (dtype == "bfloat16")
 
     def logits(threads: int, fused: bool) -> torch.Tensor:
         previous, saved = torch.get_num_threads(), model.fused_decode

@@ -21,6 +21,7 @@ typedef struct {
   const float *final_norm, *lm_head; /* lm_head packed */
   const float *embed;                /* [vocab][hidden], or NULL: rows of the packed lm_head */
   const float *rope_cos, *rope_sin;  /* [positions][head_dim] */
+  int weights_bf16;                  /* projections packed as bf16 pairs (linear_bf16.c) */
 } pd_model;
 
 typedef struct {
@@ -43,6 +44,15 @@ static void embed_rows(const pd_model *m, const pd_decode_batch *b, int t, int n
       memcpy(out, m->embed + token * H, sizeof(float) * H);
       continue;
     }
+    if (m->weights_bf16) { /* strips of [H2 / 2][NR][2] bf16 */
+      long H2 = H + H % 2;
+      const uint16_t *strip = (const uint16_t *)m->lm_head + (token / PD_NR) * H2 * PD_NR;
+      for (long k = 0; k < H; k++) {
+        uint32_t bits = (uint32_t)strip[(k / 2) * 2 * PD_NR + 2 * (token % PD_NR) + k % 2] << 16;
+        memcpy(out + k, &bits, sizeof bits);
+      }
+      continue;
+    }
     const float *strip = m->lm_head + (token / PD_NR) * H * PD_NR + token % PD_NR;
     for (long k = 0; k < H; k++) out[k] = strip[k * PD_NR];
   }
@@ -53,7 +63,7 @@ static linear_args projection(const float *x, long ldx, long rows, long K, const
                               const pd_model *m, const pd_decode_batch *b, float *y,
                               int accumulate) {
   linear_args a = {x, ldx, rows, K, w, N, bias, prologue, norm, m->eps, b->scratch, y, N,
-                   accumulate};
+                   accumulate, m->weights_bf16};
   return a;
 }
 

@@ -42,6 +42,7 @@ class _Model(ctypes.Structure):
         ("scale", _F),
         ("layers", ctypes.POINTER(_LayerWeights)),
         *((name, _P) for name in ("final_norm", "lm_head", "embed", "rope_cos", "rope_sin")),
+        ("weights_bf16", ctypes.c_int),
     ]
 
 
@@ -97,6 +98,7 @@ class FusedDecode:
             None if isinstance(embed, PackedLinear) else embed.weight.data_ptr(),
             model.rope.cos.data_ptr(),
             model.rope.sin.data_ptr(),
+            int(weights.lm_head.bf16),
         )
         self._weights = weights  # keeps every tensor the structs point into alive
 

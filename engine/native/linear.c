@@ -71,42 +71,49 @@ static void tail_strip(const float *x, long ldx, long M, long K, const float *ws
     }
 }
 
-/* One row: two strips at a time, K split over two dependency chains (memory-bound). */
+/* One row over NS (1 or 2) consecutive strips, K split over two dependency chains (even
+ * and odd k, summed at the end): memory-bound. Every column sums in that order, whatever
+ * the strip width or the strips' split over threads. */
+static inline __attribute__((always_inline)) void gemv_group(int NS, const float *x,
+                                                             const float *ws, long K,
+                                                             const float *bias, float *y,
+                                                             int accumulate) {
+  vf acc[2][2][PD_NV]; /* [chain][strip][vector] */
+  for (int c = 0; c < 2; c++)
+    for (int t = 0; t < NS; t++)
+      for (int v = 0; v < PD_NV; v++) acc[c][t][v] = splat(0.0f);
+  long k = 0;
+  for (; k + 2 <= K; k += 2)
+    for (int c = 0; c < 2; c++) {
+      vf xk = splat(x[k + c]);
+      for (int t = 0; t < NS; t++)
+        for (int v = 0; v < PD_NV; v++)
+          acc[c][t][v] += xk * LOADA(ws + t * K * PD_NR + (k + c) * PD_NR + v * VL);
+    }
+  for (; k < K; k++) {
+    vf xk = splat(x[k]);
+    for (int t = 0; t < NS; t++)
+      for (int v = 0; v < PD_NV; v++) acc[0][t][v] += xk * LOADA(ws + t * K * PD_NR + k * PD_NR + v * VL);
+  }
+  for (int t = 0; t < NS; t++)
+    for (int v = 0; v < PD_NV; v++) {
+      float *dst = y + t * PD_NR + v * VL;
+      vf out = acc[0][t][v] + acc[1][t][v];
+      if (bias) out += LOADU(bias + t * PD_NR + v * VL);
+      if (accumulate) out += LOADU(dst);
+      STOREU(dst, out);
+    }
+}
+
 static void gemv_strips(const float *x, const float *w, long K, long s0, long s1,
                         const float *bias, float *y, int accumulate) {
-  long s = s0;
-  for (; s + 2 <= s1; s += 2) {
-    const float *ws = w + s * K * PD_NR; /* strip s, then strip s + 1 right after it */
-    vf acc[2][2][PD_NV];                 /* [chain][strip][vector] */
-    for (int c = 0; c < 2; c++)
-      for (int t = 0; t < 2; t++)
-        for (int v = 0; v < PD_NV; v++) acc[c][t][v] = splat(0.0f);
-    long k = 0;
-    for (; k + 2 <= K; k += 2)
-      for (int c = 0; c < 2; c++) {
-        vf xk = splat(x[k + c]);
-        for (int t = 0; t < 2; t++)
-          for (int v = 0; v < PD_NV; v++)
-            acc[c][t][v] += xk * LOADA(ws + t * K * PD_NR + (k + c) * PD_NR + v * VL);
-      }
-    for (; k < K; k++) {
-      vf xk = splat(x[k]);
-      for (int t = 0; t < 2; t++)
-        for (int v = 0; v < PD_NV; v++)
-          acc[0][t][v] += xk * LOADA(ws + t * K * PD_NR + k * PD_NR + v * VL);
-    }
-    for (int t = 0; t < 2; t++)
-      for (int v = 0; v < PD_NV; v++) {
-        float *dst = y + (s + t) * PD_NR + v * VL;
-        vf out = acc[0][t][v] + acc[1][t][v];
-        if (bias) out += LOADU(bias + (s + t) * PD_NR + v * VL);
-        if (accumulate) out += LOADU(dst);
-        STOREU(dst, out);
-      }
+  for (long s = s0; s < s1; s += 2) {
+    const float *b = bias ? bias + s * PD_NR : 0;
+    if (s + 2 <= s1)
+      gemv_group(2, x, w + s * K * PD_NR, K, b, y + s * PD_NR, accumulate);
+    else
+      gemv_group(1, x, w + s * K * PD_NR, K, b, y + s * PD_NR, accumulate);
   }
-  for (; s < s1; s++)
-    tile_1(x, 0, w + s * K * PD_NR, K, y + s * PD_NR, 0, accumulate,
-           bias ? bias + s * PD_NR : 0, 0);
 }
 
 /* Rows in panels of about MC_BYTES of input, so that a panel stays in L2 while every
@@ -169,6 +176,10 @@ static void silu_mul_row(const float *x, long K, float *out) {
 }
 
 void linear_team(const linear_args *a, int t, int nt) {
+  if (a->weights_bf16) {
+    linear_team_bf16(a, t, nt);
+    return;
+  }
   long K = a->K, strips = (a->N + PD_NR - 1) / PD_NR, full = a->N / PD_NR;
   const float *in = a->prologue == PROLOGUE_NONE ? a->x : a->scratch;
   long ldin = a->prologue == PROLOGUE_NONE ? a->ldx : K;
@@ -196,9 +207,10 @@ void linear_team(const linear_args *a, int t, int nt) {
 
 void pd_linear(const float *x, long ldx, long M, long K, const float *w_packed, long N,
                const float *bias, int prologue, const float *norm_weight, float eps,
-               float *scratch, float *y, long ldy, int accumulate, int nthreads) {
-  linear_args a = {x,       ldx,         M,   K,       w_packed, N,   bias,
-                   prologue, norm_weight, eps, scratch, y,        ldy, accumulate};
+               float *scratch, float *y, long ldy, int accumulate, int weights_bf16,
+               int nthreads) {
+  linear_args a = {x,       ldx,         M,   K,       w_packed, N,   bias,       prologue,
+                   norm_weight, eps, scratch, y,        ldy, accumulate, weights_bf16};
 #pragma omp parallel num_threads(nthreads)
   linear_team(&a, omp_get_thread_num(), omp_get_num_threads());
 }

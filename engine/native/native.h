@@ -122,10 +122,13 @@ typedef struct {
   float *y;
   long ldy;
   int accumulate;
+  int weights_bf16; /* w packed as bf16 pairs (linear_bf16.c); scratch holds M * K floats */
 } linear_args;
 
 /* Ends without a barrier: the caller waits before reading y. */
 void linear_team(const linear_args *a, int t, int nt);
+void linear_team_bf16(const linear_args *a, int t, int nt);
+int pd_has_bf16(void);
 
 /* Rotate-half RoPE on the q and k heads of rows [0, T) of qkv in place, then copy each
  * row's k and v heads into its pool slot. */

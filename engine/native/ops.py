@@ -26,7 +26,8 @@ PROLOGUE_NONE, PROLOGUE_RMSNORM, PROLOGUE_SILU_MUL = 0, 1, 2
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "pd_strip_width": ([], _I),
-    "pd_linear": ([_P, _L, _L, _L, _P, _L, _P, _I, _P, _F, _P, _P, _L, _I, _I], None),
+    "pd_has_bf16": ([], _I),
+    "pd_linear": ([_P, _L, _L, _L, _P, _L, _P, _I, _P, _F, _P, _P, _L, _I, _I, _I], None),
     "pd_rope_store": (
         [_P, _L, _L, _L, _L, _L, _P, _P, _P, _P, _P, _L, _P, _P, _I],
         None,
@@ -52,6 +53,8 @@ class NativeKernels:
             function.argtypes, function.restype = argtypes, restype
         self.library = library
         self.strip = library.pd_strip_width()
+        self.bf16 = bool(library.pd_has_bf16())
+        """Built with AVX512-BF16 dot products: projections can run on bf16 weights."""
         self.linear = library.pd_linear
         self.rope_store = library.pd_rope_store
         self.decode_attention = library.pd_decode_attention
@@ -68,7 +71,8 @@ def native_kernels() -> NativeKernels | None:
 
 @dataclass
 class PackedLinear:
-    """A projection packed for pd_linear: `packed[s, k, j]` is weight[s * strip + j, k]."""
+    """A projection packed for pd_linear. float32: `packed[s, k, j]` is weight[s * strip +
+    j, k]; bfloat16 (linear_bf16.c): `packed[s, k // 2, j, k % 2]`, K padded to even."""
 
     packed: torch.Tensor
     out_features: int
@@ -76,23 +80,36 @@ class PackedLinear:
     bias: torch.Tensor | None = None
 
     @classmethod
-    def pack(cls, projection: Linear, strip: int) -> PackedLinear:
+    def pack(cls, projection: Linear, strip: int, bf16: bool = False) -> PackedLinear:
         weight = projection.weight.float()
         out_features, in_features = weight.shape
         padded = -(-out_features // strip) * strip
         if padded != out_features:
             weight = F.pad(weight, (0, 0, 0, padded - out_features))
-        packed = weight.view(padded // strip, strip, in_features).transpose(1, 2).contiguous()
         bias = None if projection.bias is None else projection.bias.float().contiguous()
+        if bf16:
+            weight = F.pad(weight, (0, in_features % 2)).to(torch.bfloat16)
+            pairs = weight.shape[1] // 2
+            packed = weight.view(padded // strip, strip, pairs, 2).transpose(1, 2).contiguous()
+        else:
+            packed = weight.view(padded // strip, strip, in_features).transpose(1, 2).contiguous()
         return cls(packed, out_features, in_features, bias)
+
+    @property
+    def bf16(self) -> bool:
+        return self.packed.dtype == torch.bfloat16
 
     @property
     def nbytes(self) -> int:
         extra = 0 if self.bias is None else self.bias.numel() * 4
-        return self.out_features * self.in_features * 4 + extra
+        return self.out_features * self.in_features * self.packed.element_size() + extra
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """weight[ids] as [len(ids), in_features]: the tied embedding lookup."""
+        """weight[ids] as float32 [len(ids), in_features]: the tied embedding lookup."""
+        if self.bf16:
+            strip = self.packed.shape[2]
+            pairs = self.packed[ids // strip, :, ids % strip, :]
+            return pairs.reshape(len(ids), -1)[:, : self.in_features].float()
         strip = self.packed.shape[-1]
         return self.packed[ids // strip, :, ids % strip]
 
@@ -102,19 +119,24 @@ def _ptr(tensor: torch.Tensor | None) -> int | None:
 
 
 class NativeOps:
-    """`engine.layer_ops.TorchOps`' interface on the native kernels (float32, CPU)."""
+    """`engine.layer_ops.TorchOps`' interface on the native kernels (CPU). Activations,
+    the residual and the KV cache are float32; the projections' weights are float32, or
+    bfloat16 with `weights_bf16` (the kernels then round each projection's input to bf16)."""
 
     name = "native"
 
-    def __init__(self, kernels: NativeKernels, eps: float):
+    def __init__(self, kernels: NativeKernels, eps: float, weights_bf16: bool = False):
+        if weights_bf16 and not kernels.bf16:
+            raise ValueError("these kernels were built without AVX512-BF16")
         self.kernels = kernels
         self.eps = eps
+        self.weights_bf16 = weights_bf16
         self.threads = torch.get_num_threads()
         self._scratch = torch.empty(0)
-        self.prepared_layout = f"native-strip{kernels.strip}"
+        self.prepared_layout = f"native-strip{kernels.strip}" + ("-bf16" if weights_bf16 else "")
 
     def prepare_linear(self, projection: Linear) -> PackedLinear:
-        return PackedLinear.pack(projection, self.kernels.strip)
+        return PackedLinear.pack(projection, self.kernels.strip, self.weights_bf16)
 
     def begin_step(self) -> None:
         # Per step, from the thread that runs it: torch's thread count is per thread.
@@ -132,7 +154,8 @@ class NativeOps:
 
     def _linear(self, x, projection: PackedLinear, out, prologue, norm_weight, accumulate):
         rows, k = x.shape[0], projection.in_features
-        scratch = self._scratch_for(rows, k) if prologue != PROLOGUE_NONE else None
+        needs_scratch = prologue != PROLOGUE_NONE or projection.bf16
+        scratch = self._scratch_for(rows, k) if needs_scratch else None
         self.kernels.linear(
             x.data_ptr(),
             x.stride(0),
@@ -148,6 +171,7 @@ class NativeOps:
             out.data_ptr(),
             out.stride(0),
             int(accumulate),
+            int(projection.bf16),
             self.threads,
         )
 
