@@ -84,6 +84,10 @@ def _zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(pages, dtype=dtype, count=numel).view(shape)
 
 
+_MADV_POPULATE_WRITE = 23
+"""Linux 5.14+: fault pages in writable as a write would, leaving their contents."""
+
+
 @functools.cache
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
@@ -115,6 +119,8 @@ class KVCachePool:
         self.layout = layout
         self.num_blocks = num_blocks
         self.shm_path: str | None = None
+        self._prefaulted = 0
+        """Bytes from the pool's start that `prefault` has mapped."""
         shape, dtype = (num_blocks, *layout.block_shape), getattr(torch, layout.dtype)
         if torch.device(device).type == "cpu":
             self.kv = _zero_pages(shape, dtype)
@@ -138,6 +144,29 @@ class KVCachePool:
             shared.copy_(self.kv)
         self.kv = shared
         self.shm_path = path
+        self._prefaulted = 0
+
+    def prefault(self, max_bytes: int) -> bool:
+        """Map the next `max_bytes` of the pool's pages that were never touched, without
+        changing what they hold (MADV_POPULATE_WRITE: safe on blocks in use), so that a
+        step writing KV there does not take their page faults. The engine loop calls it
+        while its engine is idle; blocks are handed out from id 0 up, so the pages come
+        in the order they will be written. False once the whole pool is mapped (or
+        where the call is missing: a GPU pool, an old kernel)."""
+        storage = self.kv.untyped_storage()
+        total = storage.nbytes()
+        done = self._prefaulted
+        if done >= total or self.kv.device.type != "cpu":
+            return False
+        page = mmap.PAGESIZE
+        base = self.kv.data_ptr() - self.kv.data_ptr() % page
+        end = min(total, done + max(max_bytes, page))
+        length = (end - done + page - 1) // page * page
+        failed = _libc().madvise(
+            ctypes.c_void_p(base + done), ctypes.c_size_t(length), _MADV_POPULATE_WRITE
+        )
+        self._prefaulted = total if failed else end
+        return not failed and end < total
 
     @property
     def block_size(self) -> int:

@@ -52,6 +52,24 @@ def test_a_cpu_pool_is_zero_and_fills_in_on_first_touch(tmp_path):
     assert pool.private_resident_bytes() == 0 and float(pool.kv[63].sum()) == 128 * 256
 
 
+def test_prefault_maps_the_whole_pool_in_pieces_and_keeps_what_it_holds(tmp_path):
+    """The warming thread's call: piece by piece until the pool is resident, blocks in
+    use untouched; a pool moved into a shared file is warmed from its start again."""
+    from engine.kv_cache import KVCachePool, KVLayout
+
+    layout = KVLayout("t", "float32", num_layers=4, num_kv_heads=4, head_dim=64, block_size=16)
+    pool = KVCachePool(layout, 128)  # 16 MiB
+    pool.kv[5].fill_(3.0)
+    pieces = 1
+    while pool.prefault(2 << 20):
+        pieces += 1
+    assert pieces == 8 and not pool.prefault(2 << 20)
+    assert pool.private_resident_bytes() >= 16 << 20
+    assert float(pool.kv[5].sum()) == 3.0 * pool.kv[5].numel() and not pool.kv[6].any()
+    pool.move_to_shared_memory(str(tmp_path / "pool.kv"), keep_contents=True)
+    assert pool.prefault(2 << 20) and float(pool.kv[5].sum()) == 3.0 * pool.kv[5].numel()
+
+
 def test_read_and_write_blocks_move_a_request_between_pools(tiny_llama_dir):
     """Export a prefilled request's blocks from one engine, import into another, decode on."""
     source, target = make_engine(tiny_llama_dir), make_engine(tiny_llama_dir, num_kv_blocks=64)
