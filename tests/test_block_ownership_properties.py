@@ -71,16 +71,24 @@ class BlockOwnership(RuleBasedStateMachine):
 
     @initialize()
     def start(self):
+        """Every example starts from the same state, so that hypothesis can replay it: the
+        shared engine's prefix cache emptied (cached blocks from earlier examples would
+        change what fits), and prompts numbered from 0 (ids stay unique across examples:
+        an engine refuses an id it has aborted)."""
         self.engine = engine_for(self.model_dir)
-        self.engine.allocator.assert_all_free()
+        allocator = self.engine.allocator
+        allocator.assert_all_free()
+        while allocator.cache.evictable:
+            allocator.free_ids.append(allocator.cache.evict())
+        self.example = next(IDS)
         self.counter = 0
         self.landing: set[str] = set()
         """Imports whose blocks are reserved: a transfer is writing them."""
         self.lent: list[list[int]] = []
 
     def _new_id(self) -> str:
-        self.counter = next(IDS)
-        return f"r{self.counter}"
+        self.counter += 1
+        return f"e{self.example}-r{self.counter:03d}"
 
     @rule(
         target=ids,
