@@ -195,8 +195,7 @@ def _decode_rows(engine: LLMEngine, result: EngineBenchResult, args, batch: int)
         memory_bandwidth=bandwidth,
     )
     context = args.prompt_len + args.decode_steps // 2
-    kv_dtype = str(engine.model.activation_dtype).removeprefix("torch.")
-    bound = decode_step(engine.spec, hardware, batch, context, result.dtype, kv_dtype)
+    bound = decode_step(engine.spec, hardware, batch, context, result.dtype, engine.layout.dtype)
     result.roofline_step_ms[batch] = bound.lower_bound_s * 1000.0
     if batch == 1 or not result.read_bandwidth_gbps:
         result.read_bandwidth_gbps = bandwidth / 1e9

@@ -32,7 +32,13 @@ from engine.attention import (
     make_attention_backend,
 )
 from engine.kv_cache import KVCachePool
-from engine.layer_ops import RESIDUAL_DTYPE, HeadSizes, KernelChoice, make_layer_ops
+from engine.layer_ops import (
+    RESIDUAL_DTYPE,
+    HeadSizes,
+    KernelChoice,
+    activation_dtype,
+    make_layer_ops,
+)
 from engine.model_spec import ModelSpec
 from engine.rope import RotaryEmbedding
 from engine.threads import ThreadChoice
@@ -59,7 +65,7 @@ class LlamaForward:
         self.dtype = dtype
         self.device = device
         self.ops = make_layer_ops(kernels, dtype, device, spec.rms_norm_eps)
-        self.activation_dtype = dtype if self.ops.name == "torch" else torch.float32
+        self.activation_dtype = activation_dtype(kernels, dtype, device)
         """Of the activations and the KV cache: float32 on the native kernels, whose bf16
         mode keeps only the projections' weights in bf16."""
         self.weights = load_prepared_weights(

@@ -53,15 +53,37 @@ def with_kernels(engine, kernels: str, attention: str = "auto"):
     return engine
 
 
-def reference_linear(x, projection: Linear, prologue, norm_weight, eps):
-    x = x.double()
+def reference_linear(x, projection: Linear, prologue, norm_weight, eps, bf16: bool = False):
+    """The projection in float64. With `bf16`, as the kernels' bf16 mode computes it: the
+    prologue in float32, its output and the weight rounded to bf16, the sums in float64."""
+    x, norm_weight = (
+        (x.float(), norm_weight.float()) if bf16 else (x.double(), norm_weight.double())
+    )
     if prologue == PROLOGUE_RMSNORM:
-        x = F.rms_norm(x, (x.shape[-1],), norm_weight.double(), eps)
+        x = F.rms_norm(x, (x.shape[-1],), norm_weight, eps)
     elif prologue == PROLOGUE_SILU_MUL:
         gate, up = x.chunk(2, dim=-1)
         x = F.silu(gate) * up
+    weight = projection.weight
+    if bf16:
+        x, weight = x.bfloat16(), weight.bfloat16()
     bias = None if projection.bias is None else projection.bias.double()
-    return F.linear(x, projection.weight.double(), bias)
+    return F.linear(x.double(), weight.double(), bias)
+
+
+def projection_case(rows, in_features, out_features, prologue, seed):
+    """Inputs (twice as wide for SiLU*mul), a biased projection, RMSNorm weights and the
+    output's starting values (the kernels accumulate into it), all from one seed."""
+    generator = torch.Generator().manual_seed(seed)
+    width = 2 * in_features if prologue == PROLOGUE_SILU_MUL else in_features
+    x = torch.randn(rows, width, generator=generator)
+    projection = Linear(
+        torch.randn(out_features, in_features, generator=generator),
+        torch.randn(out_features, generator=generator),
+    )
+    norm_weight = torch.rand(in_features, generator=generator) + 0.5
+    start = torch.randn(rows, out_features, generator=generator)
+    return x, projection, norm_weight, start
 
 
 @needs_native
@@ -70,18 +92,13 @@ def reference_linear(x, projection: Linear, prologue, norm_weight, eps):
 @pytest.mark.parametrize("prologue", [PROLOGUE_NONE, PROLOGUE_RMSNORM, PROLOGUE_SILU_MUL])
 def test_native_linear_matches_float64(rows, out_features, prologue):
     """Every tile height, a strip tail (37 columns), bias, accumulate, both prologues."""
-    generator = torch.Generator().manual_seed(rows * 100 + out_features + prologue)
     in_features = 300 if prologue != PROLOGUE_SILU_MUL else 150
-    width = 2 * in_features if prologue == PROLOGUE_SILU_MUL else in_features
-    x = torch.randn(rows, width, generator=generator)
-    projection = Linear(
-        torch.randn(out_features, in_features, generator=generator),
-        torch.randn(out_features, generator=generator),
+    seed = rows * 100 + out_features + prologue
+    x, projection, norm_weight, start = projection_case(
+        rows, in_features, out_features, prologue, seed
     )
-    norm_weight = torch.rand(in_features, generator=generator) + 0.5
     ops = NativeOps(native_kernels(), eps=1e-5)
     packed = ops.prepare_linear(projection)
-    start = torch.randn(rows, out_features, generator=generator)
     out = start.clone()
 
     ops._linear(x, packed, out, prologue, norm_weight, accumulate=True)
@@ -134,29 +151,17 @@ def test_bf16_linear_is_float64_over_bf16_inputs(rows, shape, prologue):
     computes in float32 in another order than torch, so an input can round to the next
     bf16 now and then: a looser bound there."""
     in_features, out_features = shape
-    generator = torch.Generator().manual_seed(rows + in_features + prologue)
-    width = 2 * in_features if prologue == PROLOGUE_SILU_MUL else in_features
-    x = torch.randn(rows, width, generator=generator)
-    projection = Linear(
-        torch.randn(out_features, in_features, generator=generator),
-        torch.randn(out_features, generator=generator),
+    x, projection, norm_weight, start = projection_case(
+        rows, in_features, out_features, prologue, rows + in_features + prologue
     )
-    norm_weight = torch.rand(in_features, generator=generator) + 0.5
     ops = NativeOps(native_kernels(), eps=1e-5, weights_bf16=True)
     packed = ops.prepare_linear(projection)
-    start = torch.randn(rows, out_features, generator=generator)
     out = start.clone()
 
     ops._linear(x, packed, out, prologue, norm_weight, accumulate=True)
 
-    inputs = x
-    if prologue == PROLOGUE_RMSNORM:
-        inputs = F.rms_norm(x, (in_features,), norm_weight, 1e-5)
-    elif prologue == PROLOGUE_SILU_MUL:
-        gate, up = x.chunk(2, dim=-1)
-        inputs = F.silu(gate) * up
-    rounded = Linear(projection.weight.bfloat16().double(), projection.bias.double())
-    expected = start.double() + F.linear(inputs.bfloat16().double(), rounded.weight, rounded.bias)
+    reference = reference_linear(x, projection, prologue, norm_weight, 1e-5, bf16=True)
+    expected = start.double() + reference
     atol = 0.05 if prologue == PROLOGUE_RMSNORM else 1e-3
     torch.testing.assert_close(out.double(), expected, atol=atol, rtol=1e-5)
     ids = torch.tensor([0, 3, out_features - 1])

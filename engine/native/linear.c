@@ -136,11 +136,10 @@ static void gemm_strips(const float *x, long ldx, long M, long K, const float *w
          * from L1, fetches the following piece (strips are consecutive in memory). */
         const float *next = ws + (k0 + kc) * PD_NR;
         next = next + kc * PD_NR <= end ? next : 0;
-        long groups = (m1 - m0 + MR_MAX - 1) / MR_MAX, base = (m1 - m0) / groups;
-        long extra = (m1 - m0) % groups;
-        for (long g = 0, m = m0; g < groups; g++) {
-          long mr = base + (g < extra);
-          int fetcher = g == (groups > 1);
+        row_groups rg = split_rows(m1 - m0, MR_MAX);
+        for (long g = 0, m = m0; g < rg.groups; g++) {
+          long mr = group_rows(rg, g);
+          int fetcher = g == (rg.groups > 1);
           TILES[mr](x + m * ldx + k0, ldx, ws + k0 * PD_NR, kc, y + m * ldy + s * PD_NR, ldy,
                     accumulate || k0 > 0, last && bias ? bias + s * PD_NR : 0,
                     fetcher ? next : 0);

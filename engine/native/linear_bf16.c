@@ -76,42 +76,52 @@ static inline float bf16_to_float(uint16_t h) {
   return f;
 }
 
-/* One row: two strips at a time, pairs split over two chains (memory-bound). */
+/* One row over NS (1 or 2) consecutive strips, pairs split over two chains (even and
+ * odd pairs, summed at the end): memory-bound; gemv_group in linear.c, on bf16 pairs. */
+static inline __attribute__((always_inline)) void gemv_group_bf16(int NS, const uint32_t *x,
+                                                                  const uint16_t *ws, long K2,
+                                                                  const float *bias, float *y,
+                                                                  int accumulate) {
+  long pairs = K2 / 2, strip = K2 * PD_NR; /* bf16 per strip */
+  __m512 acc[2][2][2];                      /* [chain][strip][vector] */
+  for (int c = 0; c < 2; c++)
+    for (int t = 0; t < NS; t++)
+      for (int v = 0; v < 2; v++) acc[c][t][v] = _mm512_setzero_ps();
+  long p = 0;
+  for (; p + 2 <= pairs; p += 2)
+    for (int c = 0; c < 2; c++) {
+      __m512bh a = (__m512bh)_mm512_set1_epi32((int)x[p + c]);
+      for (int t = 0; t < NS; t++)
+        for (int v = 0; v < 2; v++)
+          acc[c][t][v] = _mm512_dpbf16_ps(
+              acc[c][t][v], a, bf16_pair_lanes(ws + t * strip + (p + c) * 2 * PD_NR + v * 32));
+    }
+  for (; p < pairs; p++) {
+    __m512bh a = (__m512bh)_mm512_set1_epi32((int)x[p]);
+    for (int t = 0; t < NS; t++)
+      for (int v = 0; v < 2; v++)
+        acc[0][t][v] = _mm512_dpbf16_ps(acc[0][t][v], a,
+                                        bf16_pair_lanes(ws + t * strip + p * 2 * PD_NR + v * 32));
+  }
+  for (int t = 0; t < NS; t++)
+    for (int v = 0; v < 2; v++) {
+      float *dst = y + t * PD_NR + v * 16;
+      __m512 out = _mm512_add_ps(acc[0][t][v], acc[1][t][v]);
+      if (bias) out = _mm512_add_ps(out, _mm512_loadu_ps(bias + t * PD_NR + v * 16));
+      if (accumulate) out = _mm512_add_ps(out, _mm512_loadu_ps(dst));
+      _mm512_storeu_ps(dst, out);
+    }
+}
+
 static void gemv_bf16(const uint32_t *x, const uint16_t *w, long K2, long s0, long s1,
                       const float *bias, float *y, int accumulate) {
-  long pairs = K2 / 2, strip = K2 * PD_NR; /* bf16 per strip */
-  long s = s0;
-  for (; s + 2 <= s1; s += 2) {
-    const uint16_t *ws = w + s * strip;
-    __m512 acc[2][2][2] = {0}; /* [chain][strip][vector] */
-    long p = 0;
-    for (; p + 2 <= pairs; p += 2)
-      for (int c = 0; c < 2; c++) {
-        __m512bh a = (__m512bh)_mm512_set1_epi32((int)x[p + c]);
-        for (int t = 0; t < 2; t++)
-          for (int v = 0; v < 2; v++)
-            acc[c][t][v] = _mm512_dpbf16_ps(
-                acc[c][t][v], a, bf16_pair_lanes(ws + t * strip + (p + c) * 2 * PD_NR + v * 32));
-      }
-    for (; p < pairs; p++) {
-      __m512bh a = (__m512bh)_mm512_set1_epi32((int)x[p]);
-      for (int t = 0; t < 2; t++)
-        for (int v = 0; v < 2; v++)
-          acc[0][t][v] = _mm512_dpbf16_ps(acc[0][t][v], a,
-                                          bf16_pair_lanes(ws + t * strip + p * 2 * PD_NR + v * 32));
-    }
-    for (int t = 0; t < 2; t++)
-      for (int v = 0; v < 2; v++) {
-        float *dst = y + (s + t) * PD_NR + v * 16;
-        __m512 out = _mm512_add_ps(acc[0][t][v], acc[1][t][v]);
-        if (bias) out = _mm512_add_ps(out, _mm512_loadu_ps(bias + (s + t) * PD_NR + v * 16));
-        if (accumulate) out = _mm512_add_ps(out, _mm512_loadu_ps(dst));
-        _mm512_storeu_ps(dst, out);
-      }
+  for (long s = s0; s < s1; s += 2) {
+    const float *b = bias ? bias + s * PD_NR : 0;
+    if (s + 2 <= s1)
+      gemv_group_bf16(2, x, w + s * K2 * PD_NR, K2, b, y + s * PD_NR, accumulate);
+    else
+      gemv_group_bf16(1, x, w + s * K2 * PD_NR, K2, b, y + s * PD_NR, accumulate);
   }
-  for (; s < s1; s++)
-    tile_bf16_1(x, 0, w + s * strip, pairs, y + s * PD_NR, 0, accumulate,
-                bias ? bias + s * PD_NR : 0, 0);
 }
 
 #define MC_BYTES_BF16 (256 * 1024) /* input rows per panel: about this many bytes of bf16 */
@@ -124,8 +134,7 @@ static void gemm_bf16(const uint32_t *x, long M, long K2, const uint16_t *w, lon
   const uint16_t *end = w + s1 * strip;
   for (long m0 = 0; m0 < M; m0 += mc) {
     long m1 = m0 + mc < M ? m0 + mc : M;
-    long groups = (m1 - m0 + MR_BF16 - 1) / MR_BF16, base = (m1 - m0) / groups;
-    long extra = (m1 - m0) % groups;
+    row_groups rg = split_rows(m1 - m0, MR_BF16);
     for (long s = s0; s < s1; s++) {
       const uint16_t *ws = w + s * strip;
       for (long p0 = 0; p0 < pairs; p0 += KP) {
@@ -133,9 +142,9 @@ static void gemm_bf16(const uint32_t *x, long M, long K2, const uint16_t *w, lon
         int last = p0 + kp >= pairs;
         const uint16_t *next = ws + (p0 + kp) * 2 * PD_NR;
         next = next + kp * 2 * PD_NR <= end ? next : 0;
-        for (long g = 0, m = m0; g < groups; g++) {
-          long mr = base + (g < extra);
-          int fetcher = g == (groups > 1);
+        for (long g = 0, m = m0; g < rg.groups; g++) {
+          long mr = group_rows(rg, g);
+          int fetcher = g == (rg.groups > 1);
           TILES_BF16[mr](x + m * ldx + p0, ldx, ws + p0 * 2 * PD_NR, kp, y + m * ldy + s * PD_NR,
                          ldy, accumulate || p0 > 0, last && bias ? bias + s * PD_NR : 0,
                          fetcher ? next : 0);

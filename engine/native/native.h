@@ -103,6 +103,20 @@ static inline f8 transpose_sum8(const f8 v[8]) {
 }
 
 
+/* A panel's rows as the fewest tile groups of at most mr_max rows, their sizes apart by
+ * at most one (16 rows of 12 at most: 8 + 8, not 12 + 4): group g has group_rows(). */
+typedef struct {
+  long groups, base, extra;
+} row_groups;
+
+static inline row_groups split_rows(long rows, long mr_max) {
+  long groups = (rows + mr_max - 1) / mr_max;
+  row_groups rg = {groups, rows / groups, rows % groups};
+  return rg;
+}
+
+static inline long group_rows(row_groups rg, long g) { return rg.base + (g < rg.extra); }
+
 enum { PROLOGUE_NONE = 0, PROLOGUE_RMSNORM = 1, PROLOGUE_SILU_MUL = 2 };
 
 /* y[M, N] (row stride ldy) = prologue(x)[M, K] @ W^T (+ bias); accumulate: y += ...
