@@ -40,6 +40,15 @@ def kernel_vector_width() -> int | None:
     return int(value)
 
 
+def kernel_amx() -> bool:
+    """PDSERVE_KERNEL_AMX: 0 keeps multi-row bf16 projections off the AMX tiles, on the
+    AVX512-BF16 dot products (for A/B runs and tests); default 1, where the CPU has AMX."""
+    value = os.environ.get("PDSERVE_KERNEL_AMX", "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"PDSERVE_KERNEL_AMX must be 0 or 1, not {value!r}")
+    return value == "1"
+
+
 def tokenizer_cache_dir() -> Path:
     """PDSERVE_TOKENIZER_CACHE: each model's effective Rust tokenizer, so workers start
     without importing transformers (default ~/.cache/pdserve/tokenizers)."""

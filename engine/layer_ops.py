@@ -113,8 +113,9 @@ class TorchOps:
 
 def make_layer_ops(choice: KernelChoice, dtype: torch.dtype, device: str, eps: float):
     """`native` where it applies, else `TorchOps`: on CPU with the kernels compiled, in
-    float32, and in bfloat16 where the CPU has AVX512-BF16 but no AMX (bf16 weights,
-    float32 activations and KV: `activation_dtype`).
+    float32, and in bfloat16 where the CPU has AVX512-BF16 (bf16 weights, float32
+    activations and KV: `activation_dtype`; multi-row projections on AMX tiles where
+    the CPU has those too).
 
     `auto` falls back quietly; an explicit `native` that cannot run raises."""
     if choice not in KERNEL_CHOICES:
@@ -129,7 +130,7 @@ def make_layer_ops(choice: KernelChoice, dtype: torch.dtype, device: str, eps: f
     if choice == "native":
         raise ValueError(
             "kernels='native' cannot run here: they need a C compiler and a CPU, in float32 "
-            "(or bfloat16 on a CPU with AVX512-BF16 and no AMX)"
+            "(or bfloat16 on a CPU with AVX512-BF16)"
         )
     return TorchOps(eps)
 
@@ -146,9 +147,8 @@ def _native_kernels_for(dtype: torch.dtype, device: str):
     if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return None
     from engine.native.ops import native_kernels
-    from engine.platform import cpu_prefers_native_bf16
 
     kernels = native_kernels()
     if kernels is None or dtype == torch.float32:
         return kernels
-    return kernels if kernels.bf16 and cpu_prefers_native_bf16() else None
+    return kernels if kernels.bf16 else None

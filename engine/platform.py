@@ -33,13 +33,6 @@ def cpu_has_fast_bf16() -> bool:
     return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
 
 
-def cpu_prefers_native_bf16() -> bool:
-    """AVX512-BF16 dot products but no AMX: bf16 projections run on our kernels
-    (linear_bf16.c); with AMX, oneDNN's tiles through torch are the fast bf16 path."""
-    flags = cpu_flags()
-    return "avx512_bf16" in flags and "amx_bf16" not in flags
-
-
 def auto_dtype(device: str) -> str:
     if device.startswith("cuda"):
         import torch

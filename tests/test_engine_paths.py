@@ -27,7 +27,7 @@ from engine.native.ops import (
     NativeOps,
     native_kernels,
 )
-from engine.platform import cpu_flags, cpu_prefers_native_bf16
+from engine.platform import cpu_flags
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk
 from tests.conftest import assert_no_leaks, make_engine
@@ -136,29 +136,38 @@ def test_both_vector_widths_give_the_same_projection_bits(tmp_path, monkeypatch,
 
 def needs_bf16_native() -> bool:
     kernels = native_kernels()
-    return kernels is not None and kernels.bf16 and cpu_prefers_native_bf16()
+    return kernels is not None and kernels.bf16
 
 
 @pytest.mark.skipif(
     native_kernels() is None or not native_kernels().bf16, reason="no AVX512-BF16 kernels here"
 )
-@pytest.mark.parametrize("rows", [1, 5, 16, 29, 300])
+@pytest.mark.parametrize("rows", [1, 5, 16, 29, 33, 300])
 @pytest.mark.parametrize("shape", [(576, 96), (301, 37)])
 @pytest.mark.parametrize("prologue", [PROLOGUE_NONE, PROLOGUE_RMSNORM, PROLOGUE_SILU_MUL])
-def test_bf16_linear_is_float64_over_bf16_inputs(rows, shape, prologue):
+@pytest.mark.parametrize("tiles", ["amx", "dot products"])
+def test_bf16_linear_is_float64_over_bf16_inputs(rows, shape, prologue, tiles):
     """bf16 weights, inputs rounded to bf16 after the prologue, float32 sums: every tile
-    height, a strip tail, an odd K (its pad), bias and accumulate. The RMSNorm prologue
+    height (AMX blocks of 32 rows and their tails, VDPBF16PS tiles), a strip tail, an odd
+    K (its pad, which stays off the AMX tiles), bias and accumulate. The RMSNorm prologue
     computes in float32 in another order than torch, so an input can round to the next
     bf16 now and then: a looser bound there."""
+    kernels = native_kernels()
+    if tiles == "amx" and not kernels.amx:
+        pytest.skip("no AMX tiles here")
     in_features, out_features = shape
     x, projection, norm_weight, start = projection_case(
         rows, in_features, out_features, prologue, rows + in_features + prologue
     )
-    ops = NativeOps(native_kernels(), eps=1e-5, weights_bf16=True)
+    ops = NativeOps(kernels, eps=1e-5, weights_bf16=True)
     packed = ops.prepare_linear(projection)
     out = start.clone()
 
-    ops._linear(x, packed, out, prologue, norm_weight, accumulate=True)
+    kernels.library.pd_use_amx(int(tiles == "amx"))
+    try:
+        ops._linear(x, packed, out, prologue, norm_weight, accumulate=True)
+    finally:
+        kernels.library.pd_use_amx(int(kernels.amx))
 
     reference = reference_linear(x, projection, prologue, norm_weight, 1e-5, bf16=True)
     expected = start.double() + reference

@@ -218,6 +218,8 @@ void linear_team_bf16(const linear_args *a, int t, int nt) {
   if (s0 < s1) {
     if (a->M == 1)
       gemv_bf16(pairs, w, K2, s0, s1, a->bias, a->y, a->accumulate);
+    else if (amx_takes(a->M, K2))
+      gemm_amx(in, a->M, K2, w, s0, s1, a->bias, a->y, a->ldy, a->accumulate);
     else
       gemm_bf16(pairs, a->M, K2, w, s0, s1, a->bias, a->y, a->ldy, a->accumulate);
   }

@@ -143,6 +143,14 @@ typedef struct {
 void linear_team(const linear_args *a, int t, int nt);
 void linear_team_bf16(const linear_args *a, int t, int nt);
 int pd_has_bf16(void);
+/* AMX tiles for multi-row bf16 projections (linear_amx.c). pd_use_amx(1) asks Linux for
+ * the tile state (once) and turns the tiles on if granted, pd_use_amx(0) off; call it
+ * before any team runs. amx_takes says whether gemm_amx runs an M-row projection of K2
+ * (even) inputs. gemm_amx: strips [s0, s1) of w (bf16 pairs), x: bf16 rows [M][K2]. */
+int pd_use_amx(int wanted);
+int amx_takes(long M, long K2);
+void gemm_amx(const uint16_t *x, long M, long K2, const uint16_t *w, long s0, long s1,
+              const float *bias, float *y, long ldy, int accumulate);
 
 /* Rotate-half RoPE on the q and k heads of rows [0, T) of qkv in place, then copy each
  * row's k and v heads into its pool slot. */

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.envs import kernel_amx
 from engine.layer_ops import RESIDUAL_DTYPE, HeadSizes, Linear
 from engine.native.build import load_library
 
@@ -27,6 +28,7 @@ _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "pd_strip_width": ([], _I),
     "pd_has_bf16": ([], _I),
+    "pd_use_amx": ([_I], _I),
     "pd_linear": ([_P, _L, _L, _L, _P, _L, _P, _I, _P, _F, _P, _P, _L, _I, _I, _I], None),
     "pd_rope_store": (
         [_P, _L, _L, _L, _L, _L, _P, _P, _P, _P, _P, _L, _P, _P, _I],
@@ -55,6 +57,9 @@ class NativeKernels:
         self.strip = library.pd_strip_width()
         self.bf16 = bool(library.pd_has_bf16())
         """Built with AVX512-BF16 dot products: projections can run on bf16 weights."""
+        self.amx = bool(library.pd_use_amx(int(kernel_amx())))
+        """Multi-row bf16 projections run on AMX tiles (the CPU has them and Linux granted
+        this process their state)."""
         self.linear = library.pd_linear
         self.rope_store = library.pd_rope_store
         self.decode_attention = library.pd_decode_attention
