@@ -155,6 +155,8 @@ def _engine(args, max_batch: int) -> LLMEngine:
 
 def run_engine_bench(args) -> int:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    if args.threads:  # transformers' runs and the bandwidth probe on the engine's count
+        torch.set_num_threads(args.threads)
     load_before = load_average()
     engine = _engine(args, max(batch_sizes))
     result = _new_result(engine, args, load_before)
@@ -210,7 +212,7 @@ def _new_result(engine: LLMEngine, args, load_before: float) -> EngineBenchResul
     return EngineBenchResult(
         model=engine.model_id,
         dtype=dtype,
-        threads=torch.get_num_threads(),
+        threads=engine.num_threads,
         kernels=f"{engine.model.ops.name} ops, {engine.model.attention.name} attention",
         prompt_len=args.prompt_len,
         decode_steps=args.decode_steps,

@@ -51,6 +51,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceOutput, SequenceStatus
 from engine.structured import GrammarCompiler
+from engine.threads import single_threaded
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -106,23 +107,26 @@ class LLMEngine:
     """Synchronous engine; not thread-safe: one owner calls add/abort/step."""
 
     def __init__(self, config: EngineConfig):
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        self.num_threads = config.num_threads or torch.get_num_threads()
+        """torch threads of every step, set on the thread that steps (`step`)."""
         self.config = config
         self.model_dir, self.model_id = resolve_model(config.model)
         self.spec = load_model_spec(self.model_dir, self.model_id)
         self.max_model_len = min(
             config.max_model_len or self.spec.context_window, self.spec.context_window
         )
-        self.model = LlamaForward(
-            self.model_dir,
-            self.spec,
-            config.torch_dtype,
-            config.device,
-            max_positions=self.max_model_len,
-        )
-        self.layout = KVLayout.for_model(self.spec, self.model.activation_dtype, config.block_size)
-        self.kv_pool = KVCachePool(self.layout, config.num_kv_blocks, config.device)
+        with single_threaded():  # the stepping thread may be another one: see there
+            self.model = LlamaForward(
+                self.model_dir,
+                self.spec,
+                config.torch_dtype,
+                config.device,
+                max_positions=self.max_model_len,
+            )
+            self.layout = KVLayout.for_model(
+                self.spec, self.model.activation_dtype, config.block_size
+            )
+            self.kv_pool = KVCachePool(self.layout, config.num_kv_blocks, config.device)
         self.allocator = BlockAllocator(config.num_kv_blocks, self._prefix_cache(config))
         self.scheduler = Scheduler(config, self.allocator)
         self.runner = ModelRunner(self.model, self.kv_pool)
@@ -411,6 +415,7 @@ class LLMEngine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
+        torch.set_num_threads(self.num_threads)
         started = clock.now()
         if self.step_delay_s:
             time.sleep(self.step_delay_s)

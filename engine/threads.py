@@ -19,8 +19,11 @@ only; torch's own ops may round differently on another thread count.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+
+import torch
 
 FIRST_RETRY = 16
 """Steps on the faster count before the other is tried again (doubles on each loss)."""
@@ -29,6 +32,27 @@ SMOOTHING = 0.25
 """Weight of the newest step in each moving average."""
 IDLE_CORES_FOR_RETRY = 0.5
 """A retry of more threads waits until about this many cores were idle meanwhile."""
+
+
+@contextmanager
+def single_threaded() -> Iterator[None]:
+    """Run the block on one torch thread, then restore the caller's count.
+
+    `LLMEngine` builds itself inside this, because the thread that builds an engine is
+    often not the one that steps it (a worker's engine loop runs on its own thread), and
+    libgomp keeps, for good, a pool of N - 1 threads for every thread that ever ran a
+    parallel region on N. It spins at barriers only while the threads it manages are no
+    more than the CPUs; past that every barrier sleeps in the kernel. An engine loaded on
+    two threads and stepped on another thread thus made three managed threads on a
+    2-core machine, and each of a decode step's ~180 barriers a futex round trip: 20.6
+    against 12.1 ms per batch-1 bf16 step (Xeon-AMX, docs/benchmarks.md). So only the
+    stepping thread runs parallel regions."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 @dataclass(frozen=True)

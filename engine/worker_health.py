@@ -27,8 +27,6 @@ def health_report(
     startup: dict[str, float] | None = None,
 ) -> HealthReport:
     """Raises when the worker cannot serve (its engine thread died)."""
-    import torch
-
     if not loop.thread.is_alive():
         raise RuntimeError(f"{role} worker {worker_id}: engine thread died")
     stats = engine.stats()
@@ -40,7 +38,7 @@ def health_report(
         total_blocks=stats.total_blocks,
         num_running=stats.num_running,
         num_waiting=stats.num_waiting,
-        num_threads=torch.get_num_threads(),
+        num_threads=engine.num_threads,
         pid=os.getpid(),
         node_id=node_id(),
         batch_sizes={"prefill": stats.prefill_batch_sizes, "decode": stats.decode_batch_sizes},

@@ -420,3 +420,35 @@ def test_free_cores_do_not_count_this_processes_own_threads():
     assert free_cores(before, ours_busy, 2) == pytest.approx(1.9)
     assert free_cores(before, other_busy, 2) == pytest.approx(0.1)
     assert free_cores(before, before, 2) is None
+
+
+def test_an_engine_is_built_on_one_thread_and_steps_on_its_own_count(tiny_llama_dir, monkeypatch):
+    """libgomp keeps a thread pool for every thread that ran a parallel region, and past
+    one pool per core its barriers sleep in the kernel (engine.threads.single_threaded):
+    the building thread, often not the stepping one, runs its load on one thread, gets its
+    own count back, and the stepping thread runs the configured count."""
+    counts_while_loading = []
+    load = LlamaForward.__init__
+
+    def counting_load(self, *args, **kwargs):
+        counts_while_loading.append(torch.get_num_threads())
+        load(self, *args, **kwargs)
+
+    monkeypatch.setattr(LlamaForward, "__init__", counting_load)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        engine = make_engine(tiny_llama_dir, num_threads=3)
+        assert counts_while_loading == [1]
+        assert torch.get_num_threads() == 2
+        counts_in_step = []
+        step = engine.model.forward
+        monkeypatch.setattr(
+            engine.model,
+            "forward",
+            lambda *a, **k: counts_in_step.append(torch.get_num_threads()) or step(*a, **k),
+        )
+        engine.generate([prompt_of(5, salt=9)], GREEDY)
+        assert counts_in_step and set(counts_in_step) == {3}
+    finally:
+        torch.set_num_threads(before)
