@@ -18,6 +18,7 @@ from engine.attention import (
 from engine.layer_ops import Linear
 from engine.model import LlamaForward
 from engine.model_runner import ModelRunner
+from engine.native.attention import NativePagedAttention
 from engine.native.build import build_library
 from engine.native.ops import (
     PROLOGUE_NONE,
@@ -267,15 +268,10 @@ def test_every_available_attention_backend_agrees_on_a_decode_step(tiny_llama_di
     assert_no_leaks(engine)
 
 
-@pytest.mark.parametrize(
-    ("context_start", "query_len"),
-    [(0, 1), (0, 7), (0, 45), (9, 13), (32, 20)],  # tails of the 6-row tiles, block edges
-)
-def test_every_available_attention_backend_agrees_on_a_prefill_chunk(
-    tiny_llama_dir, context_start, query_len
-):
-    """A chunk attends causally to its cached context and itself, read from the pool."""
-    engine = make_engine(tiny_llama_dir)
+def _prefill_chunk_case(engine, context_start: int, query_len: int):
+    """A chunk of `query_len` rows after `context_start` cached tokens, its keys and
+    values in layer 1 of the pool, behind 2 decode rows in the packed batch. Returns the
+    forward's arguments (q, k, v, meta, scale), the chunk's rows and its blocks."""
     spec, block_size = engine.spec, engine.config.block_size
     length = context_start + query_len
     blocks = engine.allocator.allocate(-(-length // block_size), "chunk")
@@ -287,22 +283,54 @@ def test_every_available_attention_backend_agrees_on_a_prefill_chunk(
         torch.randn(length, spec.num_kv_heads, spec.head_dim, generator=generator) for _ in range(2)
     )
     engine.kv_pool.write_slots(1, slot_blocks, slot_offsets, keys, values)
-    decode_rows = 2  # a chunk sits after the step's decode rows in the packed batch
+    decode_rows = 2
     q = torch.randn(decode_rows + query_len, spec.num_heads, spec.head_dim, generator=generator)
     new = slice(context_start, length)
     chunk = PrefillChunk(decode_rows, query_len, context_start, table)
     meta = AttentionMetadata(slot_blocks[new], slot_offsets[new], prefill_chunks=[chunk])
-    scale = spec.head_dim**-0.5
-    rows = slice(decode_rows, None)
-    padded_kv = [
+    padded_k, padded_v = (
         torch.cat([torch.zeros(decode_rows, *t.shape[1:]), t[new]]) for t in (keys, values)
-    ]
+    )
+    return (q, padded_k, padded_v, meta, spec.head_dim**-0.5), slice(decode_rows, None), blocks
 
-    reference = TorchPagedAttention().forward(q, *padded_kv, engine.kv_pool, 1, meta, scale)
+
+@pytest.mark.parametrize(
+    ("context_start", "query_len"),
+    # tails of the 6- and 12-row tiles (8- and 16-float builds), block edges
+    [(0, 1), (0, 7), (0, 45), (9, 13), (32, 20)],
+)
+def test_every_available_attention_backend_agrees_on_a_prefill_chunk(
+    tiny_llama_dir, context_start, query_len
+):
+    """A chunk attends causally to its cached context and itself, read from the pool."""
+    engine = make_engine(tiny_llama_dir)
+    (q, k, v, meta, scale), rows, blocks = _prefill_chunk_case(engine, context_start, query_len)
+
+    reference = TorchPagedAttention().forward(q, k, v, engine.kv_pool, 1, meta, scale)
     for name in available_backends(torch.float32):
         backend = make_attention_backend(name, torch.float32, "cpu")
-        out = backend.forward(q, *padded_kv, engine.kv_pool, 1, meta, scale)
+        out = backend.forward(q, k, v, engine.kv_pool, 1, meta, scale)
         torch.testing.assert_close(out[rows], reference[rows], atol=1e-5, rtol=1e-5, msg=name)
+    engine.allocator.free(blocks)
+    assert_no_leaks(engine)
+
+
+@needs_native
+@pytest.mark.skipif("avx512f" not in cpu_flags(), reason="16-float vectors need AVX-512F")
+def test_both_vector_widths_give_the_same_prefill_attention_bits(
+    tiny_llama_dir, tmp_path, monkeypatch
+):
+    """Each lane sums its score or value column in the same order at 8 or 16 floats,
+    whatever the tile's rows: the width changes speed, not results."""
+    engine = make_engine(tiny_llama_dir)
+    (q, k, v, meta, scale), rows, blocks = _prefill_chunk_case(engine, 9, 45)
+    outs = []
+    for lanes in ("8", "16"):
+        monkeypatch.setenv("PDSERVE_KERNEL_VECTOR_WIDTH", lanes)
+        kernels = NativeKernels(ctypes.CDLL(str(build_library(tmp_path / lanes))))
+        backend = NativePagedAttention(kernels)
+        outs.append(backend.forward(q, k, v, engine.kv_pool, 1, meta, scale)[rows])
+    assert torch.equal(outs[0], outs[1])
     engine.allocator.free(blocks)
     assert_no_leaks(engine)
 

@@ -10,7 +10,10 @@
  *  2. an item is PA_ROWS query rows of one query head: scores for PA_ROWS x 16 keys
  *     at a time (12 accumulators over D), an exact softmax per row over its causal
  *     prefix, then probabilities x values for PA_ROWS x 16 value columns at a time.
- * Eight-wide vectors whatever the ISA, as in attention.c. Items are independent and
+ * The tiles run on the projections' vectors (VL floats: one 16-key row of a tile is two
+ * ymm or one zmm, and zmm tiles take twice the rows); every lane sums its score or value
+ * column in the same order at either width, so the width changes speed, not results.
+ * The softmax keeps eight-wide vectors, as in attention.c. Items are independent and
  * each one's arithmetic is fixed by the shapes alone, so the result does not depend on
  * the thread count. On the demo model's shapes (9 query heads
  * over 3 kv heads, D 64), 2 threads of the EPYC (AVX2): 256-token chunk 0.77 ms against
@@ -18,8 +21,9 @@
  */
 #include "native.h"
 
-#define PA_ROWS 6  /* query rows per tile: PA_ROWS x 2 vectors of accumulators */
-#define PA_COLS 16 /* keys (scores) or value columns per tile */
+#define PA_COLS 16              /* keys (scores) or value columns per tile */
+#define PA_NV (PA_COLS / VL)     /* vectors per tile row */
+#define PA_ROWS (12 / PA_NV)    /* query rows per tile: 12 vectors of accumulators */
 
 typedef struct {
   const float *q;
@@ -62,21 +66,20 @@ static void gather_context(const prefill_args *a) {
 static void tile_scores(const float *qs, const float *kt, long n_pad, long D, long n_tile,
                         float *scores, long ld_scores) {
   for (long t0 = 0; t0 < n_tile; t0 += PA_COLS) {
-    f8 acc[PA_ROWS][2];
-    for (int i = 0; i < PA_ROWS; i++) acc[i][0] = acc[i][1] = splat8(0.0f);
+    vf acc[PA_ROWS][PA_NV];
+    for (int i = 0; i < PA_ROWS; i++)
+      for (int c = 0; c < PA_NV; c++) acc[i][c] = splat(0.0f);
     for (long d = 0; d < D; d++) {
       const float *k = kt + d * n_pad + t0;
-      f8 k0 = LOAD8(k), k1 = LOAD8(k + 8);
+      vf keys[PA_NV];
+      for (int c = 0; c < PA_NV; c++) keys[c] = LOADU(k + c * VL);
       for (int i = 0; i < PA_ROWS; i++) {
-        f8 qv = splat8(qs[i * D + d]);
-        acc[i][0] += qv * k0;
-        acc[i][1] += qv * k1;
+        vf qv = splat(qs[i * D + d]);
+        for (int c = 0; c < PA_NV; c++) acc[i][c] += qv * keys[c];
       }
     }
-    for (int i = 0; i < PA_ROWS; i++) {
-      STORE8(scores + i * ld_scores + t0, acc[i][0]);
-      STORE8(scores + i * ld_scores + t0 + 8, acc[i][1]);
-    }
+    for (int i = 0; i < PA_ROWS; i++)
+      for (int c = 0; c < PA_NV; c++) STOREU(scores + i * ld_scores + t0 + c * VL, acc[i][c]);
   }
 }
 
@@ -112,20 +115,20 @@ static float row_softmax(float *row, long limit, long n_tile) {
 static void tile_values(const float *p, long ld_p, const float *v, long D, long n_tile,
                         const float *inv, long rows, float *out, long ldo) {
   for (long d0 = 0; d0 < D; d0 += PA_COLS) {
-    f8 acc[PA_ROWS][2];
-    for (int i = 0; i < PA_ROWS; i++) acc[i][0] = acc[i][1] = splat8(0.0f);
+    vf acc[PA_ROWS][PA_NV];
+    for (int i = 0; i < PA_ROWS; i++)
+      for (int c = 0; c < PA_NV; c++) acc[i][c] = splat(0.0f);
     for (long t = 0; t < n_tile; t++) {
-      f8 v0 = LOAD8(v + t * D + d0), v1 = LOAD8(v + t * D + d0 + 8);
+      vf values[PA_NV];
+      for (int c = 0; c < PA_NV; c++) values[c] = LOADU(v + t * D + d0 + c * VL);
       for (int i = 0; i < PA_ROWS; i++) {
-        f8 w = splat8(p[i * ld_p + t]);
-        acc[i][0] += w * v0;
-        acc[i][1] += w * v1;
+        vf w = splat(p[i * ld_p + t]);
+        for (int c = 0; c < PA_NV; c++) acc[i][c] += w * values[c];
       }
     }
-    for (long i = 0; i < rows; i++) {
-      STORE8(out + i * ldo + d0, acc[i][0] * splat8(inv[i]));
-      STORE8(out + i * ldo + d0 + 8, acc[i][1] * splat8(inv[i]));
-    }
+    for (long i = 0; i < rows; i++)
+      for (int c = 0; c < PA_NV; c++)
+        STOREU(out + i * ldo + d0 + c * VL, acc[i][c] * splat(inv[i]));
   }
 }
 
