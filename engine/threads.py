@@ -9,9 +9,11 @@ barrier for up to a scheduler slice, and two threads end up far slower than one
 on one thread, 711 ms on two; prefill 300 vs 123 tok/s). So `LlamaForward` asks
 `pick` before each CPU step and reports the step's wall time to `record`; per kind of
 step and size bucket it keeps a moving average per thread count (the first step of a
-kind, cold, is not counted), runs the faster one, and retries the other now and then,
-less often each time it loses again, and a retry of more threads only when other
-processes left the cores mostly idle meanwhile. The native
+kind, cold, is not counted), runs the faster one, and tries the other now and then,
+less often each time it loses again, and a try of more threads only when other
+processes left the cores mostly idle meanwhile. A try is TRIAL_STEPS steps judged by
+their median: one slow step (a page fault, a burst of the frontend) once put a served
+engine's mixed prefill steps on one thread for seconds (docs/benchmarks.md). The native
 kernels split work by the batch, never by the threads, so switching changes timing
 only; torch's own ops may round differently on another thread count.
 """
@@ -19,6 +21,7 @@ only; torch's own ops may round differently on another thread count.
 from __future__ import annotations
 
 import os
+import statistics
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -32,6 +35,8 @@ SMOOTHING = 0.25
 """Weight of the newest step in each moving average."""
 IDLE_CORES_FOR_RETRY = 0.5
 """A retry of more threads waits until about this many cores were idle meanwhile."""
+TRIAL_STEPS = 3
+"""Steps of a thread count's try; their median is its new average."""
 
 
 @contextmanager
@@ -107,6 +112,9 @@ class _Bucket:
     countdown: int = FIRST_RETRY
     warmed: bool = False
     """The first step of this kind has run (it is not recorded)."""
+    trying: int | None = None
+    """The thread count being tried, for TRIAL_STEPS steps."""
+    trial: list[float] = field(default_factory=list)
 
 
 class ThreadChoice:
@@ -128,9 +136,11 @@ class ThreadChoice:
         if len(self.counts) == 1:
             return self.counts[0]
         bucket = self.buckets.setdefault(key, _Bucket())
+        if bucket.trying is not None:
+            return bucket.trying
         untried = [n for n in self.counts if n not in bucket.average]
         if untried:
-            return untried[-1]
+            return self._try(bucket, untried[-1])
         best = min(self.counts, key=bucket.average.__getitem__)
         if bucket.countdown > 0:
             return best
@@ -139,7 +149,7 @@ class ThreadChoice:
         if idle is not None and idle < IDLE_CORES_FOR_RETRY:
             self._lost(bucket)  # the cores are busy: the retry would lose; wait longer
             return best
-        return other
+        return self._try(bucket, other)
 
     def record(self, key, threads: int, seconds: float) -> None:
         if len(self.counts) == 1:
@@ -151,15 +161,25 @@ class ThreadChoice:
             # (2x slower) for the rest of the run.
             bucket.warmed = True
             return
-        averages = bucket.average
-        best = min(averages, key=averages.__getitem__, default=threads)
-        if threads == best:
-            previous = averages.get(threads, seconds)
-            averages[threads] = previous + SMOOTHING * (seconds - previous)
-            bucket.countdown -= 1
+        if threads == bucket.trying:
+            bucket.trial.append(seconds)
+            if len(bucket.trial) == TRIAL_STEPS:
+                self._judge(bucket, threads)
             return
-        # A try of the other count: its old average is stale, this step is the news.
-        averages[threads] = seconds
+        averages = bucket.average
+        previous = averages.get(threads, seconds)
+        averages[threads] = previous + SMOOTHING * (seconds - previous)
+        bucket.countdown -= 1
+
+    def _try(self, bucket: _Bucket, threads: int) -> int:
+        bucket.trying, bucket.trial = threads, []
+        return threads
+
+    def _judge(self, bucket: _Bucket, threads: int) -> None:
+        """The try is over: its median replaces the count's stale average."""
+        averages = bucket.average
+        averages[threads] = statistics.median(bucket.trial)
+        bucket.trying, bucket.trial = None, []
         if min(averages, key=averages.__getitem__) == threads:
             bucket.retry_in = bucket.countdown = FIRST_RETRY
             self.idle_probe()
