@@ -38,8 +38,6 @@ from bench.roofline import decode_step
 from bench.timing import load_average, median_of
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.model import LlamaForward
-from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 
 PREFILL_PROMPTS = 8
@@ -139,16 +137,8 @@ def _engine(args, max_batch: int) -> LLMEngine:
         num_threads=args.threads,
     )
     engine = LLMEngine(config)
-    if args.kernels != "auto":  # rebuilt on the asked-for kernel set, same pool
-        engine.model = LlamaForward(
-            engine.model_dir,
-            engine.spec,
-            config.torch_dtype,
-            config.device,
-            max_positions=engine.max_model_len,
-            kernels=args.kernels,
-        )
-        engine.runner = ModelRunner(engine.model, engine.kv_pool)
+    if args.kernels != "auto":
+        engine.rebuild_model(kernels=args.kernels)
     engine.model.pin_threads = args.pin_threads
     return engine
 

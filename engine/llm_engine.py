@@ -29,7 +29,9 @@ import torch
 
 from engine import clock, envs
 from engine.block_manager import BlockAllocator, blocks_needed
+from engine.config import AttentionBackendName as AttentionChoice
 from engine.config import EngineConfig
+from engine.config import Kernels as KernelChoice
 from engine.demo_model import resolve_model
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError, RequestAbortedError
@@ -115,17 +117,9 @@ class LLMEngine:
         self.max_model_len = min(
             config.max_model_len or self.spec.context_window, self.spec.context_window
         )
-        with single_threaded():  # the stepping thread may be another one: see there
-            self.model = LlamaForward(
-                self.model_dir,
-                self.spec,
-                config.torch_dtype,
-                config.device,
-                max_positions=self.max_model_len,
-            )
-            self.layout = KVLayout.for_model(
-                self.spec, self.model.activation_dtype, config.block_size
-            )
+        self.model = self._load_model()
+        self.layout = KVLayout.for_model(self.spec, self.model.activation_dtype, config.block_size)
+        with single_threaded():
             self.kv_pool = KVCachePool(self.layout, config.num_kv_blocks, config.device)
         self.allocator = BlockAllocator(config.num_kv_blocks, self._prefix_cache(config))
         self.scheduler = Scheduler(config, self.allocator)
@@ -142,6 +136,29 @@ class LLMEngine:
         """The last steps this engine ran (who computed what, when, for how long)."""
         self.prefill_batch_sizes: dict[int, int] = {}
         self.decode_batch_sizes: dict[int, int] = {}
+
+    def _load_model(
+        self, kernels: KernelChoice = "auto", attention: AttentionChoice | None = None
+    ) -> LlamaForward:
+        # One thread: the stepping thread may be another one (engine.threads.single_threaded).
+        with single_threaded():
+            return LlamaForward(
+                self.model_dir,
+                self.spec,
+                self.config.torch_dtype,
+                self.config.device,
+                max_positions=self.max_model_len,
+                attention=attention,
+                kernels=kernels,
+            )
+
+    def rebuild_model(
+        self, kernels: KernelChoice = "auto", attention: AttentionChoice | None = None
+    ) -> None:
+        """The forward rebuilt on another kernel set / attention backend, over the same
+        pool; called by `pdserve bench engine --kernels` and the tests of each path."""
+        self.model = self._load_model(kernels, attention)
+        self.runner = ModelRunner(self.model, self.kv_pool)
 
     # --- requests -----------------------------------------------------------------
 

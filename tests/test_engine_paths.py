@@ -17,7 +17,6 @@ from engine.attention import (
 )
 from engine.layer_ops import Linear
 from engine.model import LlamaForward
-from engine.model_runner import ModelRunner
 from engine.native.attention import NativePagedAttention
 from engine.native.build import build_library
 from engine.native.ops import (
@@ -41,16 +40,7 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 def with_kernels(engine, kernels: str, attention: str = "auto"):
     """The same engine, its forward rebuilt on another kernel set / attention backend."""
-    engine.model = LlamaForward(
-        engine.model_dir,
-        engine.spec,
-        engine.config.torch_dtype,
-        engine.config.device,
-        max_positions=engine.max_model_len,
-        attention=attention,
-        kernels=kernels,
-    )
-    engine.runner = ModelRunner(engine.model, engine.kv_pool)
+    engine.rebuild_model(kernels=kernels, attention=attention)
     return engine
 
 
