@@ -151,8 +151,9 @@ class KVCachePool:
         changing what they hold (MADV_POPULATE_WRITE: safe on blocks in use), so that a
         step writing KV there does not take their page faults. The engine loop's
         SCHED_IDLE warming thread calls it in pieces until it returns False; blocks are
-        handed out from id 0 up, so the pages come in the order they will be written. False once the whole pool is mapped (or
-        where the call is missing: a GPU pool, an old kernel)."""
+        handed out from id 0 up, so the pages come in the order they will be written.
+        False once the whole pool is mapped (or where the call is missing: a GPU pool, an
+        old kernel)."""
         storage = self.kv.untyped_storage()
         total = storage.nbytes()
         done = self._prefaulted

@@ -122,7 +122,11 @@ void gemm_amx(const uint16_t *x, long M, long K2, const uint16_t *w, long s0, lo
         long left = m1 - m;
         int rows0 = left < 16 ? (int)left : 16;
         int rows1 = left > 16 ? (int)(left < BLOCK_ROWS ? left - 16 : 16) : 0;
-        if (configured != rows0 * 64 + rows1) configure_tiles(rows0, rows1), configured = rows0 * 64 + rows1;
+        int shape = rows0 * (BLOCK_ROWS + 1) + rows1; /* the tile rows now configured */
+        if (configured != shape) {
+          configure_tiles(rows0, rows1);
+          configured = shape;
+        }
         strip_block(x + m * K2, K2, ws, rows0, rows1, sums);
         store_block((const float (*)[PD_NR])sums, rows0 + rows1, bias ? bias + s * PD_NR : 0,
                     y + m * ldy + s * PD_NR, ldy, accumulate);
