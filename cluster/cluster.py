@@ -92,6 +92,7 @@ class PDCluster:
         return self
 
     async def shutdown(self) -> None:
+        self.flow.streams.close()
         await self.controller.shutdown()
 
     async def __aenter__(self) -> PDCluster:

@@ -35,6 +35,7 @@ ends; the flow itself never aborts or releases on its way out.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -43,6 +44,7 @@ from collections.abc import AsyncIterator, Callable
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from cluster.config import ClusterConfig
+from cluster.decode_streams import DecodeStreams, WorkerStreamClosed
 from cluster.disaggregation import Disaggregation, PathChoice
 from cluster.recovery_costs import RecoveryCosts
 from cluster.request import (
@@ -65,7 +67,7 @@ from engine.worker_messages import (
 
 logger = logging.getLogger(__name__)
 
-WORKER_FAILURES = (RayActorError, ActorUnavailableError)
+WORKER_FAILURES = (RayActorError, ActorUnavailableError, WorkerStreamClosed)
 _PICK_RETRY_S = 0.1
 REBUILD_REMOTE_MARGIN = 2.0
 """How much sooner the policy must predict a stream's rebuild on a prefill worker than on
@@ -92,6 +94,8 @@ class RequestFlow:
         """The controller's `mark_dead(worker, why, generation)`: called when a call to a
         worker fails, with the incarnation the call went to."""
         self._recompute_warned: set[tuple[str, str]] = set()
+        self.streams = DecodeStreams()
+        """This driver's event streams from the decode workers, one per worker."""
         self.costs = RecoveryCosts()
         """Measured KV bandwidth and prefill rate; the cluster feeds it closed requests."""
         self.disaggregation = Disaggregation(
@@ -320,32 +324,30 @@ class RequestFlow:
         worker = claim.worker
         req.hold(worker)
         sent = time.monotonic()
+        request = DecodeRequest(
+            req.request_id,
+            req.prompt_ids,
+            list(req.decided),
+            req.params,
+            req.text_len,
+            req.ticket,
+            req.timeline.arrival,
+        )
         try:
-            stream = worker.handle.generate.options(num_returns="streaming").remote(
-                DecodeRequest(
-                    req.request_id,
-                    req.prompt_ids,
-                    list(req.decided),
-                    req.params,
-                    req.text_len,
-                    req.ticket,
-                    req.timeline.arrival,
-                )
-            )
-            async for ref in stream:
-                item = await ref
-                if isinstance(item, ImportEvent):
-                    self._on_imported(req, sent, item)
-                elif isinstance(item, ErrorEvent):
-                    req.let_go(worker)
-                    raise _request_error(item)
-                else:
-                    for chunk in self._on_tokens(req, item, worker):
-                        yield chunk
-                    if item.finished:
-                        # Done: not waiting for the stream's end, where the worker's
-                        # death would read as this request's and decode it again.
-                        return
+            async with contextlib.aclosing(self.streams.events(worker, request)) as events:
+                async for item in events:
+                    if isinstance(item, ImportEvent):
+                        self._on_imported(req, sent, item)
+                    elif isinstance(item, ErrorEvent):
+                        req.let_go(worker)
+                        raise _request_error(item)
+                    else:
+                        for chunk in self._on_tokens(req, item, worker):
+                            yield chunk
+                        if item.finished:
+                            # Done: not waiting for more, where the worker's death
+                            # would read as this request's and decode it again.
+                            return
         finally:
             claim.release()
 

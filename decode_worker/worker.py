@@ -1,6 +1,7 @@
 """The decode worker: a Ray actor that imports KV and streams tokens.
 
-Lifecycle of a request here (`generate`, a streaming call):
+Lifecycle of a request here (`decode`; its events travel in the driver's `subscribe`
+stream, batched per step with its other requests' events):
     with a ticket: `begin_import` makes the sequence IMPORTING in the engine, where it
       waits (abortably) for free blocks while the sender's lease is kept alive
     -> the engine thread reserves its blocks and starts the transfer on a fetch
@@ -25,6 +26,7 @@ import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
+from decode_worker.event_channel import EventBatch, EventChannel
 from engine import clock
 from engine.engine_loop import EngineLoop
 from engine.errors import RequestAbortedError
@@ -81,20 +83,46 @@ class DecodeWorker(EngineActor):
         """Tickets of imports still waiting for blocks, read by the engine thread."""
         self.last_transfer: dict[str, str] = {}
         """Prefill worker -> how its last request's KV got here (transport or recomputed)."""
+        self.channels: dict[str, EventChannel] = {}
+        """Subscriber (a driver) -> the channel its requests' events travel in."""
 
     def _make_loop(self) -> EngineLoop:
         return EngineLoop(
             self.engine, on_iteration=self._start_imports, on_abort=self._cancel_fetch
         )
 
-    # --- the stream ---------------------------------------------------------------------
+    # --- the streams ------------------------------------------------------------------
 
-    async def generate(
+    async def subscribe(self, subscriber: str) -> AsyncIterator[EventBatch]:
+        """Streaming call, one per driver (`subscriber`) and worker incarnation, from the
+        driver's `DecodeStreams`: the events of every request that driver sent here
+        (`decode`), as one batch per step. When the stream ends (the driver went away or
+        dropped it), its requests still running here are aborted."""
+        channel = self._channel(subscriber)
+        try:
+            async for batch in channel.batches():
+                yield batch
+        finally:
+            if self.channels.get(subscriber) is channel:
+                del self.channels[subscriber]
+            channel.close()
+
+    async def decode(self, request: DecodeRequest, subscriber: str) -> None:
+        """Called by the driver's request flow, once per request sent here: returns once
+        the request is taken; its events then travel in `subscriber`'s stream: an
+        ImportEvent first when a ticket was given, then one TokenEvent per step, ending
+        with a finished TokenEvent, an ErrorEvent, or nothing after an abort."""
+        self._channel(subscriber).forward(request.request_id, self._events(request))
+
+    def _channel(self, subscriber: str) -> EventChannel:
+        channel = self.channels.get(subscriber)
+        if channel is None:
+            channel = self.channels[subscriber] = EventChannel()
+        return channel
+
+    async def _events(
         self, request: DecodeRequest
     ) -> AsyncIterator[ImportEvent | TokenEvent | ErrorEvent]:
-        """Streaming call, one per request, from the driver's request flow. Yields an
-        ImportEvent first when a ticket was given, then one TokenEvent per step; the
-        stream ends after a finished TokenEvent, an ErrorEvent, or an abort."""
         loop = self._engine_loop()
         request_id = request.request_id
         stream = loop.open_stream(request_id)
@@ -257,6 +285,8 @@ class DecodeWorker(EngineActor):
         return await self._engine_loop().call(engine_state)
 
     async def shutdown(self) -> None:
+        for channel in self.channels.values():
+            channel.close()
         self._stop_engine()
         self.fetch_pool.shutdown(wait=False, cancel_futures=True)
         if self.receiver is not None:

@@ -1,9 +1,11 @@
 """What crosses Ray between the driver and the workers: small typed dataclasses.
 
     driver ── PrefillRequest ──> prefill worker ── PrefillResult | ErrorEvent ──> driver
-    driver ── DecodeRequest ──> decode worker ── stream of ImportEvent, TokenEvent...,
-                                                  ending with a finished TokenEvent or
-                                                  an ErrorEvent
+    driver ── DecodeRequest ──> decode worker ── ImportEvent, TokenEvent..., ending
+                                                  with a finished TokenEvent or an
+                                                  ErrorEvent, in the driver's one
+                                                  stream from that worker, a batch of
+                                                  (request id, event) per step
     controller ── check_health() ──> any worker ── HealthReport
 
 Timings are durations measured on the worker's own monotonic clock, never wall-clock

@@ -280,7 +280,10 @@ class FakeWorker:
         self.script = script or {}
         self.gate = asyncio.Event()
         self.prefill = _Method(self._prefill)
-        self.generate = _Method(self._generate)
+        self.decode = _Method(self._decode)
+        self.subscribe = _Method(self._subscribe)
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.feeds: list[asyncio.Future] = []
         self.abort = _Method(lambda rid: self._record("abort", rid))
         self.ack = _Method(lambda rid: self._record("ack", rid))
 
@@ -292,11 +295,26 @@ class FakeWorker:
         await self.gate.wait()
         return self.script["prefill"](request)
 
-    async def _generate(self, request):
-        self._record("generate", request.request_id)
-        for item in self.script["generate"](request):
-            await self.gate.wait()
-            yield item
+    async def _decode(self, request, subscriber):
+        self._record("decode", request.request_id)
+        self.feeds.append(asyncio.ensure_future(self._feed(request)))
+
+    async def _feed(self, request):
+        try:
+            for item in self.script["decode"](request):
+                await self.gate.wait()
+                self.events.put_nowait([(request.request_id, item)])
+                await asyncio.sleep(0)  # one event per request per "step", interleaved
+            self.events.put_nowait([(request.request_id, None)])
+        except Exception as exc:  # the worker "dies": its subscription stream breaks
+            self.events.put_nowait(exc)
+
+    async def _subscribe(self, subscriber):
+        while True:
+            batch = await self.events.get()
+            if isinstance(batch, Exception):
+                raise batch
+            yield batch
 
 
 class _Method:
@@ -381,7 +399,7 @@ def run_to_the_end(generate=tokens_of):
 
     async def main():
         prefill = FakeWorker("prefill-0", "prefill", {"prefill": result_of})
-        decode = FakeWorker("decode-0", "decode", {"generate": generate})
+        decode = FakeWorker("decode-0", "decode", {"decode": generate})
         prefill.gate.set(), decode.gate.set()
         flow, workers = cluster_of(prefill, decode)
         req = open_request()
@@ -396,7 +414,7 @@ def test_a_finished_request_acks_the_export_and_releases_every_claim():
     chunks, prefill, decode, _, workers = run_to_the_end()
     assert [c.token_ids for c in chunks] == [[7], [8], [9]]
     assert prefill.calls == [("prefill", "r1"), ("ack", "r1")]
-    assert decode.calls == [("generate", "r1")]  # nothing left to abort
+    assert decode.calls == [("decode", "r1")]  # nothing left to abort
     assert [w.in_flight for w in workers.values()] == [0, 0]
 
 
@@ -413,7 +431,7 @@ def test_a_worker_that_dies_after_its_last_token_does_not_decode_the_request_aga
 
     chunks, _, decode, req, workers = run_to_the_end(tokens_then_death)
     assert [c.token_ids for c in chunks] == [[7], [8], [9]]
-    assert decode.calls == [("generate", "r1")]
+    assert decode.calls == [("decode", "r1")]
     assert req.timeline.recoveries == []
     assert [w.in_flight for w in workers.values()] == [0, 0]
 
@@ -422,7 +440,7 @@ def test_a_worker_that_dies_after_its_last_token_does_not_decode_the_request_aga
 def test_close_aborts_what_each_worker_holds_and_releases_claims(phase):
     async def main():
         prefill = FakeWorker("prefill-0", "prefill", {"prefill": result_of})
-        decode = FakeWorker("decode-0", "decode", {"generate": tokens_of})
+        decode = FakeWorker("decode-0", "decode", {"decode": tokens_of})
         if phase == "decode":
             prefill.gate.set()
         flow, workers = cluster_of(prefill, decode)
@@ -441,7 +459,7 @@ def test_close_aborts_what_each_worker_holds_and_releases_claims(phase):
         assert decode_calls == []
     else:  # exported and importing: both sides are told, once
         assert prefill_calls == [("prefill", "r1"), ("abort", "r1")]
-        assert decode_calls == [("generate", "r1"), ("abort", "r1")]
+        assert decode_calls == [("decode", "r1"), ("abort", "r1")]
     assert [w.in_flight for w in workers.values()] == [0, 0]
 
 
@@ -451,7 +469,7 @@ def test_a_worker_side_error_comes_back_with_its_kind():
 
     async def main():
         prefill = FakeWorker("prefill-0", "prefill", {"prefill": refuse})
-        decode = FakeWorker("decode-0", "decode", {"generate": tokens_of})
+        decode = FakeWorker("decode-0", "decode", {"decode": tokens_of})
         prefill.gate.set()
         flow, workers = cluster_of(prefill, decode)
         req = open_request()
@@ -493,8 +511,8 @@ def test_the_streams_of_a_dead_decode_worker_see_each_others_recomputes(monkeypa
 
     async def main():
         prefill = FakeWorker("prefill-0", "prefill", {"prefill": result_of})
-        dying = FakeWorker("decode-0", "decode", {"generate": first_token_then_death})
-        survivor = FakeWorker("decode-1", "decode", {"generate": rest})
+        dying = FakeWorker("decode-0", "decode", {"decode": first_token_then_death})
+        survivor = FakeWorker("decode-1", "decode", {"decode": rest})
         prefill.gate.set()
         workers = {w.info.worker_id: w.info for w in (prefill, dying, survivor)}
         config = ClusterConfig(transport="shm", recovery_timeout_s=0.5)
