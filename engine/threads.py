@@ -10,10 +10,11 @@ on one thread, 711 ms on two; prefill 300 vs 123 tok/s). So `LlamaForward` asks
 `pick` before each CPU step and reports the step's wall time to `record`; per kind of
 step and size bucket it keeps a moving average per thread count (the first step of a
 kind, cold, is not counted), runs the faster one, and tries the other now and then,
-less often each time it loses again, and a try of more threads only when other
-processes left the cores mostly idle meanwhile. A try is TRIAL_STEPS steps judged by
-their median: one slow step (a page fault, a burst of the frontend) once put a served
-engine's mixed prefill steps on one thread for seconds (docs/benchmarks.md). The native
+less often each time it loses again: a try of more threads only when other processes
+left the cores mostly idle meanwhile, of fewer only when they kept some busy. A try is
+TRIAL_STEPS steps judged by their median: one slow step (a page fault, a burst of the
+frontend) once put a served engine's mixed prefill steps on one thread for seconds
+(docs/benchmarks.md). The native
 kernels split work by the batch, never by the threads, so switching changes timing
 only; torch's own ops may round differently on another thread count.
 """
@@ -35,6 +36,12 @@ SMOOTHING = 0.25
 """Weight of the newest step in each moving average."""
 IDLE_CORES_FOR_RETRY = 0.5
 """A retry of more threads waits until about this many cores were idle meanwhile."""
+BUSY_CORES_FOR_RETRY = 0.5
+"""A retry of fewer threads waits until other processes kept about this many cores busy
+meanwhile. Fewer threads win only when something else wants the cores; on cores left
+free the count that won keeps winning, and its retries were the dearest steps of a
+served run: a 500-token mixed step on one thread took 780 ms against 462 on two, three
+of them per try (Zen 4 EPYC, docs/benchmarks.md)."""
 TRIAL_STEPS = 3
 """Steps of a thread count's try; their median is its new average."""
 
@@ -131,6 +138,7 @@ class ThreadChoice:
         self.counts = (1, max_threads) if max_threads > 1 and not pinned else (max_threads,)
         self.buckets: dict[object, _Bucket] = {}
         self.idle_probe = idle_probe or idle_cores()
+        self.cores = os.cpu_count() or 1
 
     def pick(self, key) -> int:
         if len(self.counts) == 1:
@@ -145,11 +153,20 @@ class ThreadChoice:
         if bucket.countdown > 0:
             return best
         other = next(n for n in self.counts if n != best)
-        idle = self.idle_probe() if other > best else None
-        if idle is not None and idle < IDLE_CORES_FOR_RETRY:
-            self._lost(bucket)  # the cores are busy: the retry would lose; wait longer
+        if not self._retry_can_win(other > best):
+            self._lost(bucket)  # the load that made `other` lose is still there: wait longer
             return best
         return self._try(bucket, other)
+
+    def _retry_can_win(self, more_threads: bool) -> bool:
+        """More threads can win only on cores other processes left idle, fewer only when
+        others keep cores busy (unknown load: try)."""
+        free = self.idle_probe()
+        if free is None:
+            return True
+        if more_threads:
+            return free >= IDLE_CORES_FOR_RETRY
+        return free <= self.cores - BUSY_CORES_FOR_RETRY
 
     def record(self, key, threads: int, seconds: float) -> None:
         if len(self.counts) == 1:

@@ -412,6 +412,24 @@ def test_thread_choice_follows_the_faster_count_and_comes_back():
     assert ThreadChoice(1).pick(16) == 1
 
 
+def test_fewer_threads_are_not_retried_on_cores_nobody_else_wants():
+    """Once two threads won on a quiet machine, one is tried again only after other
+    processes kept a core busy: each try of a big step on one thread costs its steps."""
+    from engine.threads import TRIAL_STEPS, ThreadChoice
+
+    phase = {"others": 0.0}
+    choice = ThreadChoice(2, idle_probe=lambda: choice.cores - phase["others"])
+    picked = []
+    for step in range(600):
+        phase["others"] = 1.0 if step >= 400 else 0.0
+        threads = choice.pick("mixed")
+        choice.record("mixed", threads, {1: 0.78, 2: 0.46}[threads])
+        picked.append(threads)
+    explored = 1 + 2 * TRIAL_STEPS
+    assert picked[explored:400].count(1) == 0  # nobody else on the cores: no retries
+    assert picked[400:].count(1) >= TRIAL_STEPS  # another process came: one is tried
+
+
 def test_a_thread_counts_first_step_of_a_kind_does_not_decide():
     """The first step of a kind is cold (fresh pages) and not recorded: a slow first
     two-thread prefill must not put every later prefill on one thread."""
