@@ -9,15 +9,12 @@ request reading from it gets the failure, as its own stream would have raised it
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import uuid
 from collections.abc import AsyncIterator
 
 from cluster.router import WorkerInfo
 from engine.worker_messages import DecodeRequest
-
-logger = logging.getLogger(__name__)
 
 
 class WorkerStreamClosed(RuntimeError):
@@ -44,9 +41,7 @@ class _Subscription:
                     if queue is not None:  # else its reader left (closed, timed out)
                         queue.put_nowait(event)
             failure: BaseException = WorkerStreamClosed(f"{self.worker_id} closed its stream")
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
+        except Exception as exc:  # the worker died (cancellation passes through)
             failure = exc
         self.failure = failure
         for queue in self.queues.values():
@@ -92,7 +87,7 @@ class DecodeStreams:
         if (
             subscription is None
             or subscription.handle is not worker.handle
-            or (subscription.failure is not None)
+            or subscription.failure is not None
         ):
             subscription = _Subscription(worker.handle, self.subscriber, worker.worker_id)
             self.subscriptions[worker.worker_id] = subscription

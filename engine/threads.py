@@ -14,9 +14,9 @@ less often each time it loses again: a try of more threads only when other proce
 left the cores mostly idle meanwhile, of fewer only when they kept some busy. A try is
 TRIAL_STEPS steps judged by their median: one slow step (a page fault, a burst of the
 frontend) once put a served engine's mixed prefill steps on one thread for seconds
-(docs/benchmarks.md). The native
-kernels split work by the batch, never by the threads, so switching changes timing
-only; torch's own ops may round differently on another thread count.
+(docs/benchmarks.md). The native kernels split work by the batch, never by the threads,
+so switching changes timing only; torch's own ops may round differently on another
+thread count.
 """
 
 from __future__ import annotations

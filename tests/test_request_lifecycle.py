@@ -284,6 +284,7 @@ class FakeWorker:
         self.subscribe = _Method(self._subscribe)
         self.events: asyncio.Queue = asyncio.Queue()
         self.feeds: list[asyncio.Future] = []
+        """The running `_feed` tasks, held so that none is collected mid-request."""
         self.abort = _Method(lambda rid: self._record("abort", rid))
         self.ack = _Method(lambda rid: self._record("ack", rid))
 
@@ -539,6 +540,45 @@ def test_the_streams_of_a_dead_decode_worker_see_each_others_recomputes(monkeypa
     assert sorted(r.timeline.recovery_paths[0] for r in requests) == ["recompute", "reprefill"]
     assert [call for call, _ in prefill.calls].count("prefill") == 3  # two prompts, one rebuild
     assert [(w.in_flight, w.local_prefill_tokens) for w in workers.values()] == [(0, 0)] * 3
+
+
+def test_an_event_channel_sends_a_steps_events_as_one_batch_and_aborts_on_close():
+    """What one step wakes goes out as one batch, a request that ends without a final
+    event is closed by None, and closing the channel (its driver left) ends the
+    requests still running: their event generators run their `finally` (the abort)."""
+    from decode_worker.event_channel import EventChannel
+
+    async def main():
+        channel = EventChannel()
+        steps = {"a": asyncio.Queue(), "b": asyncio.Queue()}
+        ended = []
+
+        async def events(request_id, count):
+            try:
+                for i in range(count):
+                    await steps[request_id].get()
+                    yield f"{request_id}{i}"
+            finally:
+                ended.append(request_id)
+
+        channel.forward("a", events("a", 2))
+        channel.forward("b", events("b", 5))
+        batches = channel.batches()
+        for queue in steps.values():  # one engine step wakes both requests
+            queue.put_nowait(None)
+        first = await batches.__anext__()
+        steps["a"].put_nowait(None)
+        second = await batches.__anext__()
+        assert ended == ["a"] and set(channel.forwarders) == {"b"}
+        channel.close()
+        rest = [batch async for batch in batches]
+        await asyncio.sleep(0)
+        return first, second, rest, list(ended)  # before asyncio.run cancels what is left
+
+    first, second, rest, ended = asyncio.run(main())
+    assert first == [("a", "a0"), ("b", "b0")]
+    assert second == [("a", "a1"), ("a", None)]
+    assert rest == [] and ended == ["a", "b"]
 
 
 # --- the decode scheduler replays a recorded arrival pattern deterministically ----------
