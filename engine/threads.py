@@ -10,8 +10,9 @@ on one thread, 711 ms on two; prefill 300 vs 123 tok/s). So `LlamaForward` asks
 `pick` before each CPU step and reports the step's wall time to `record`; per kind of
 step and size bucket it keeps a moving average per thread count (the first step of a
 kind, cold, is not counted), runs the faster one, and tries the other now and then,
-less often each time it loses again: a try of more threads only when other processes
-left the cores mostly idle meanwhile, of fewer only when they kept some busy. A try is
+less often each time it loses again. A kind starts on all threads; a try of more
+threads comes only when other processes left the cores mostly idle meanwhile, of fewer
+only when they kept some busy (or, once, when the step is short). A try is
 TRIAL_STEPS steps judged by their median: one slow step (a page fault, a burst of the
 frontend) once put a served engine's mixed prefill steps on one thread for seconds
 (docs/benchmarks.md). The native kernels split work by the batch, never by the threads,
@@ -44,6 +45,13 @@ served run: a 500-token mixed step on one thread took 780 ms against 462 on two,
 of them per try (Zen 4 EPYC, docs/benchmarks.md)."""
 TRIAL_STEPS = 3
 """Steps of a thread count's try; their median is its new average."""
+CHEAP_TRY_S = 0.06
+"""A kind of step this short on its first count has fewer threads tried once even on
+cores nobody else wants: a tiny step may gain less from a second thread than its
+barriers cost, and finding out costs a few ms. A longer one tries fewer threads only
+under load, like every retry: on a quiet Zen 4 EPYC a fresh server's first tries of one
+thread cost 3 x 156 ms (256-token mixed steps) and 3 x 310 ms (500-token ones), about
+6% of a 16-stream run, and one thread won no kind of step (docs/benchmarks.md)."""
 
 
 @contextmanager
@@ -146,17 +154,23 @@ class ThreadChoice:
         bucket = self.buckets.setdefault(key, _Bucket())
         if bucket.trying is not None:
             return bucket.trying
-        untried = [n for n in self.counts if n not in bucket.average]
-        if untried:
-            return self._try(bucket, untried[-1])
-        best = min(self.counts, key=bucket.average.__getitem__)
+        if not bucket.average:
+            self.idle_probe()  # the window the other count's first try is judged on
+            return self._try(bucket, self.counts[-1])
+        best = min(bucket.average, key=bucket.average.__getitem__)
         if bucket.countdown > 0:
             return best
         other = next(n for n in self.counts if n != best)
-        if not self._retry_can_win(other > best):
-            self._lost(bucket)  # the load that made `other` lose is still there: wait longer
+        if not self._worth_trying(bucket, other, best):
+            self._lost(bucket)  # the load that would make `other` lose is still there
             return best
         return self._try(bucket, other)
+
+    def _worth_trying(self, bucket: _Bucket, other: int, best: int) -> bool:
+        never_tried = other not in bucket.average
+        if never_tried and other < best and bucket.average[best] <= CHEAP_TRY_S:
+            return True
+        return self._retry_can_win(other > best)
 
     def _retry_can_win(self, more_threads: bool) -> bool:
         """More threads can win only on cores other processes left idle, fewer only when
@@ -197,6 +211,9 @@ class ThreadChoice:
         averages = bucket.average
         averages[threads] = statistics.median(bucket.trial)
         bucket.trying, bucket.trial = None, []
+        if len(averages) < len(self.counts):
+            bucket.countdown = 0  # the other count is due now, if the load lets it win
+            return
         if min(averages, key=averages.__getitem__) == threads:
             bucket.retry_in = bucket.countdown = FIRST_RETRY
             self.idle_probe()

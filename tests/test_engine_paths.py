@@ -425,9 +425,23 @@ def test_fewer_threads_are_not_retried_on_cores_nobody_else_wants():
         threads = choice.pick("mixed")
         choice.record("mixed", threads, {1: 0.78, 2: 0.46}[threads])
         picked.append(threads)
-    explored = 1 + 2 * TRIAL_STEPS
-    assert picked[explored:400].count(1) == 0  # nobody else on the cores: no retries
+    assert picked[:400].count(1) == 0  # nobody else on the cores: not even a first try
     assert picked[400:].count(1) >= TRIAL_STEPS  # another process came: one is tried
+
+
+def test_a_short_step_tries_fewer_threads_once_on_a_quiet_machine():
+    """Where a second thread costs more in barriers than it gains (a tiny decode step),
+    one thread is found even with nobody else on the cores, and kept."""
+    from engine.threads import TRIAL_STEPS, ThreadChoice
+
+    choice = ThreadChoice(2, idle_probe=lambda: choice.cores)  # quiet
+    picked = []
+    for _ in range(100):
+        threads = choice.pick("decode")
+        choice.record("decode", threads, {1: 0.010, 2: 0.014}[threads])
+        picked.append(threads)
+    assert picked[1 + TRIAL_STEPS : 1 + 2 * TRIAL_STEPS] == [1] * TRIAL_STEPS
+    assert picked[1 + 2 * TRIAL_STEPS :].count(2) <= 2 * TRIAL_STEPS  # rare retries of two
 
 
 def test_a_thread_counts_first_step_of_a_kind_does_not_decide():
