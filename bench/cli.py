@@ -60,6 +60,13 @@ def add_bench_parser(sub) -> None:
         choices=["auto", "native", "torch"],
         help="layer ops: native float32 CPU kernels, torch, or auto (native where it applies)",
     )
+    engine.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="KV pool dtype (default auto: the model's dtype; float32 under bf16 weights "
+        "measures what a full-precision pool costs decode attention)",
+    )
     engine.add_argument("--repeats", type=int, default=3, help="runs per figure (median)")
     engine.add_argument(
         "--pin-threads",

@@ -135,10 +135,10 @@ def _engine(args, max_batch: int) -> LLMEngine:
         max_batch_tokens=max(2048, args.prompt_len * PREFILL_PROMPTS),
         prefill_chunk_size=max(512, args.prompt_len),
         num_threads=args.threads,
+        kernels=args.kernels,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     engine = LLMEngine(config)
-    if args.kernels != "auto":
-        engine.rebuild_model(kernels=args.kernels)
     engine.model.pin_threads = args.pin_threads
     return engine
 
@@ -203,7 +203,10 @@ def _new_result(engine: LLMEngine, args, load_before: float) -> EngineBenchResul
         model=engine.model_id,
         dtype=dtype,
         threads=engine.num_threads,
-        kernels=f"{engine.model.ops.name} ops, {engine.model.attention.name} attention",
+        kernels=(
+            f"{engine.model.ops.name} ops, {engine.model.attention.name} attention, "
+            f"{engine.layout.dtype} KV"
+        ),
         prompt_len=args.prompt_len,
         decode_steps=args.decode_steps,
         repeats=args.repeats,

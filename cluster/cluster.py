@@ -32,7 +32,6 @@ from engine.block_manager import blocks_needed
 from engine.demo_model import resolve_model
 from engine.errors import InvalidRequestError
 from engine.kv_cache import KVLayout
-from engine.layer_ops import activation_dtype
 from engine.model_spec import load_model_spec
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
@@ -65,9 +64,7 @@ class PDCluster:
         self.controller = Controller(config)
         self.router = Router(config.router_policy, self.controller.workers)
         self.flow = RequestFlow(config, self.router, self.controller.mark_dead)
-        kv_dtype = activation_dtype(
-            "auto", config.engine_config("decode").torch_dtype, config.device
-        )
+        kv_dtype = config.engine_config("decode").kv_torch_dtype
         self.flow.disaggregation.costs.block_bytes = KVLayout.for_model(
             spec, kv_dtype, config.block_size
         ).block_nbytes

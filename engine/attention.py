@@ -83,8 +83,9 @@ class TorchPagedAttention(AttentionBackend):
         return out
 
     def _decode(self, q, kv_pool, layer: int, meta: AttentionMetadata, scale, out) -> None:
-        keys = _gather(kv_pool.layer_view(layer, 0), meta.decode_block_tables)
-        values = _gather(kv_pool.layer_view(layer, 1), meta.decode_block_tables)
+        # .to: a bf16 pool under float32 activations (the native kernels' fallback here)
+        keys = _gather(kv_pool.layer_view(layer, 0), meta.decode_block_tables).to(q.dtype)
+        values = _gather(kv_pool.layer_view(layer, 1), meta.decode_block_tables).to(q.dtype)
         positions = torch.arange(keys.shape[-2], device=q.device)
         mask = positions[None, :] < meta.decode_context_lens[:, None]
         attended = F.scaled_dot_product_attention(
@@ -119,7 +120,7 @@ class TorchPagedAttention(AttentionBackend):
                 enable_gqa=True,
             )
         else:
-            keys, values = self._context(kv_pool, layer, chunk)
+            keys, values = (kv.to(q.dtype) for kv in self._context(kv_pool, layer, chunk))
             context_len = chunk.context_start + chunk.query_len
             query_pos = torch.arange(chunk.query_len, device=q.device) + chunk.context_start
             key_pos = torch.arange(context_len, device=q.device)

@@ -16,11 +16,13 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 
 Kernels = Literal["auto", "native", "torch"]
 AttentionBackendName = Literal["auto", "torch", "native", "flash"]
+KVCacheDType = Literal["auto", "float32", "bfloat16"]
 
 # Names only: importing torch here would make every CLI start pay for it.
 TORCH_DTYPES = ("float32", "bfloat16", "float16")
 KERNEL_CHOICES = ("auto", "native", "torch")
 ATTENTION_CHOICES = ("auto", "torch", "native", "flash")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,12 @@ class ModelSettings:
     model: str = "demo"
     """`demo` (SmolLM2-135M-Instruct) or a local HF model directory."""
     dtype: DType = "auto"
-    """Weights and KV dtype; `auto` is bfloat16/float16 on GPUs and float32 on CPUs."""
+    """Weights dtype (and the KV's unless `kv_cache_dtype` says otherwise); `auto` is
+    bfloat16/float16 on GPUs and float32 on CPUs."""
+    kv_cache_dtype: KVCacheDType = "auto"
+    """KV cache dtype; `auto` is the model's `dtype`: a bfloat16 model keeps bf16 KV even
+    where the native CPU kernels compute in float32 (half the bytes decode attention
+    reads and transfers move); `float32` there keeps full-precision KV."""
     block_size: int = 16
     """Tokens per KV block (the same on both pools: blocks move between them)."""
     max_num_seqs: int = 64
@@ -56,6 +63,7 @@ class ModelSettings:
     def __post_init__(self) -> None:
         _check_choice("kernels", self.kernels, KERNEL_CHOICES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_CHOICES)
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         for name in ("cuda_graphs", "prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -106,6 +114,13 @@ class EngineConfig(ModelSettings):
         import torch
 
         return getattr(torch, self.resolved_dtype)
+
+    @property
+    def kv_torch_dtype(self):
+        import torch
+
+        auto = self.kv_cache_dtype == "auto"
+        return getattr(torch, self.resolved_dtype if auto else self.kv_cache_dtype)
 
 
 def _check_positive(name: str, value) -> None:

@@ -186,8 +186,8 @@ class KVCachePool:
 
     def write_slots(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, k, v) -> None:
         """Store new keys/values [T, kv_heads, head_dim] at (block, offset) slots."""
-        self.kv[:, layer, 0][blocks, offsets] = k
-        self.kv[:, layer, 1][blocks, offsets] = v
+        self.kv[:, layer, 0][blocks, offsets] = k.to(self.kv.dtype)
+        self.kv[:, layer, 1][blocks, offsets] = v.to(self.kv.dtype)
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """Copy of the given blocks: [n, num_layers, 2, block_size, kv_heads, head_dim]."""

@@ -114,7 +114,8 @@ class TorchOps:
 def make_layer_ops(choice: KernelChoice, dtype: torch.dtype, device: str, eps: float):
     """`native` where it applies, else `TorchOps`: on CPU with the kernels compiled, in
     float32, and in bfloat16 where the CPU has AVX512-BF16 (bf16 weights, float32
-    activations and KV: `activation_dtype`; multi-row projections on AMX tiles where
+    activations: `activation_dtype`; the KV pool's dtype is the model's own, see
+    `LlamaForward.kv_dtype`; multi-row projections on AMX tiles where
     the CPU has those too).
 
     `auto` falls back quietly; an explicit `native` that cannot run raises."""
@@ -136,8 +137,8 @@ def make_layer_ops(choice: KernelChoice, dtype: torch.dtype, device: str, eps: f
 
 
 def activation_dtype(choice: KernelChoice, dtype: torch.dtype, device: str) -> torch.dtype:
-    """The dtype of the activations and the KV cache of a model run in `dtype`: float32
-    where the native kernels run it on bf16 weights, `dtype` otherwise."""
+    """The dtype of the activations of a model run in `dtype`: float32 where the native
+    kernels run it on bf16 weights, `dtype` otherwise."""
     if choice != "torch" and _native_kernels_for(dtype, device) is not None:
         return torch.float32
     return dtype

@@ -117,8 +117,8 @@ class LLMEngine:
         self.max_model_len = min(
             config.max_model_len or self.spec.context_window, self.spec.context_window
         )
-        self.model = self._load_model()
-        self.layout = KVLayout.for_model(self.spec, self.model.activation_dtype, config.block_size)
+        self.model = self._load_model(config.kernels, config.attention_backend)
+        self.layout = KVLayout.for_model(self.spec, self.model.kv_dtype, config.block_size)
         with single_threaded():
             self.kv_pool = KVCachePool(self.layout, config.num_kv_blocks, config.device)
         self.allocator = BlockAllocator(config.num_kv_blocks, self._prefix_cache(config))
@@ -150,6 +150,7 @@ class LLMEngine:
                 max_positions=self.max_model_len,
                 attention=attention,
                 kernels=kernels,
+                kv_dtype=self.config.kv_torch_dtype,
             )
 
     def rebuild_model(
@@ -307,7 +308,9 @@ class LLMEngine:
     def _prefix_cache(self, config: EngineConfig) -> PrefixCache | None:
         if not config.prefix_caching:
             return None
-        seed = hash_seed(self.model_id, config.resolved_dtype, config.block_size)
+        # A block's KV depends on the weights' dtype and on the pool's.
+        dtypes = f"{config.resolved_dtype}/kv-{self.layout.dtype}"
+        seed = hash_seed(self.model_id, dtypes, config.block_size)
         return PrefixCache(seed, config.block_size)
 
     def _publish(self, seq: Sequence) -> None:

@@ -60,14 +60,15 @@ class LlamaForward:
         max_positions: int | None = None,
         attention: AttentionBackend | AttentionChoice | None = None,
         kernels: KernelChoice = "auto",
+        kv_dtype: torch.dtype | None = None,
     ):
         self.spec = spec
         self.dtype = dtype
         self.device = device
         self.ops = make_layer_ops(kernels, dtype, device, spec.rms_norm_eps)
         self.activation_dtype = activation_dtype(kernels, dtype, device)
-        """Of the activations and the KV cache: float32 on the native kernels, whose bf16
-        mode keeps only the projections' weights in bf16."""
+        """Of the activations: float32 on the native kernels, whose bf16 mode keeps the
+        projections' weights (and, by default, the KV cache) in bf16."""
         self.weights = load_prepared_weights(
             Path(model_dir), spec, self.activation_dtype, device, self.ops
         )
@@ -83,6 +84,10 @@ class LlamaForward:
                 attention or "auto", self.activation_dtype, device, kernel_kind
             )
         self.attention = attention
+        self.kv_dtype = kv_dtype or dtype
+        """Of the KV pool this forward writes and reads: the weights' dtype unless asked
+        otherwise; one that differs from the activations' needs the native kernels."""
+        self._check_kv_dtype()
         self.scale = spec.head_dim**-0.5
         self.heads = HeadSizes(spec.num_heads, spec.num_kv_heads, spec.head_dim)
         self.thread_choice: ThreadChoice | None = None
@@ -95,6 +100,16 @@ class LlamaForward:
             from engine.native.decode_step import FusedDecode
 
             self.fused_decode = FusedDecode(self.ops.kernels, self)
+
+    def _check_kv_dtype(self) -> None:
+        if self.kv_dtype == self.activation_dtype:
+            return
+        if self.ops.name != "native" or self.attention.name != "native":
+            raise ValueError(
+                f"a {str(self.kv_dtype).removeprefix('torch.')} KV cache under "
+                f"{str(self.activation_dtype).removeprefix('torch.')} activations needs the "
+                "native CPU kernels and attention; set kv_cache_dtype to 'auto'"
+            )
 
     @torch.inference_mode()
     def forward(

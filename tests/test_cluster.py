@@ -8,13 +8,16 @@ import pytest
 import ray
 
 from cluster.cluster import PDCluster
+from engine.native.ops import native_kernels
 from tests.cluster_helpers import (
+    GREEDY,
     assert_cluster_leak_free,
     generate_all,
     mixed_prompts,
     reference_outputs,
     tiny_cluster_config,
 )
+from tests.conftest import make_engine
 
 pytestmark = pytest.mark.slow
 
@@ -57,6 +60,30 @@ def test_16_concurrent_greedy_requests_match_transformers(
 ):
     prompts, expected = reference
     config = tiny_cluster_config(tiny_llama_dir, mode=mode, transport=transport)
+
+    async def scenario(cluster):
+        outputs = await generate_all(cluster, prompts)
+        await assert_cluster_leak_free(cluster)
+        return outputs
+
+    assert run_cluster(config, scenario) == expected
+
+
+@pytest.mark.skipif(native_kernels() is None, reason="a bf16 pool under float32 needs the kernels")
+@pytest.mark.parametrize(
+    "mode,transport", [("colocated", "local"), ("disaggregated", "shm"), ("disaggregated", "grpc")]
+)
+def test_a_bf16_kv_pool_crosses_each_transport_unchanged(tiny_llama_dir, mode, transport):
+    """bf16 blocks (half a float32 block's bytes) move between workers and decode to what
+    one engine over the same kind of pool makes, token for token."""
+    prompts = mixed_prompts(6)
+    config = tiny_cluster_config(
+        tiny_llama_dir, mode=mode, transport=transport, kv_cache_dtype="bfloat16"
+    )
+    engine = make_engine(
+        tiny_llama_dir, kv_cache_dtype="bfloat16", prefill_chunk_size=16, max_batch_tokens=64
+    )
+    expected = [seq.output_token_ids for seq in engine.generate(prompts, GREEDY)]
 
     async def scenario(cluster):
         outputs = await generate_all(cluster, prompts)

@@ -213,6 +213,35 @@ def test_chunked_prefill_after_context_matches_one_shot(tiny_llama_dir, kernels)
     assert_no_leaks(chunked)
 
 
+@needs_native
+def test_chunked_prefill_over_a_bf16_pool_matches_one_shot(tiny_llama_dir):
+    """rope_store rounds a chunk's keys as it stores them, so the chunk attends to what
+    later chunks and decode steps read back from the pool: splitting changes nothing."""
+    one_shot = engine_with_kv(tiny_llama_dir, "bfloat16")
+    chunked = engine_with_kv(tiny_llama_dir, "bfloat16", prefill_chunk_size=7, max_batch_tokens=16)
+    assert one_shot.kv_pool.kv.dtype == torch.bfloat16
+    prompts = [prompt_of(n, salt=6) for n in (9, 30)]
+
+    expected = [s.output_token_ids for s in one_shot.generate(prompts, GREEDY)]
+    actual = [s.output_token_ids for s in chunked.generate(prompts, GREEDY)]
+
+    assert actual == expected
+    assert_no_leaks(chunked)
+
+
+def test_the_kv_pool_takes_the_models_dtype_unless_told(tiny_llama_dir):
+    """`auto` is the weights' dtype (bf16 KV under the native kernels' float32
+    activations too); a KV dtype apart from the activations' needs the native kernels."""
+    bf16 = make_engine(tiny_llama_dir, dtype="bfloat16")
+    assert bf16.kv_pool.kv.dtype == torch.bfloat16
+    assert bf16.layout.block_nbytes == 2 * bf16.layout.block_numel
+    assert make_engine(tiny_llama_dir).kv_pool.kv.dtype == torch.float32
+    with pytest.raises(ValueError, match="native CPU kernels"):
+        make_engine(tiny_llama_dir, dtype="bfloat16", kernels="torch", kv_cache_dtype="float32")
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        make_engine(tiny_llama_dir, kv_cache_dtype="int8")
+
+
 def _decode_step_inputs(engine, lengths):
     """Prefill sequences of `lengths`, then the metadata of their next decode step."""
     for i, length in enumerate(lengths):
@@ -235,8 +264,20 @@ def available_backends(dtype: torch.dtype) -> list[str]:
     return names
 
 
-def test_every_available_attention_backend_agrees_on_a_decode_step(tiny_llama_dir):
-    engine = make_engine(tiny_llama_dir)
+def engine_with_kv(model_dir, kv_cache_dtype: str, **overrides):
+    """A float32 engine whose pool holds `kv_cache_dtype` (bf16 KV needs the native kernels)."""
+    if kv_cache_dtype == "bfloat16" and native_kernels() is None:
+        pytest.skip("a bf16 pool under float32 activations needs the native kernels")
+    return make_engine(model_dir, kv_cache_dtype=kv_cache_dtype, **overrides)
+
+
+KV_DTYPES = pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16"])
+
+
+@KV_DTYPES
+def test_every_available_attention_backend_agrees_on_a_decode_step(tiny_llama_dir, kv_cache_dtype):
+    """Over a float32 pool, and a bf16 one (read back exactly: only the sums' order differs)."""
+    engine = engine_with_kv(tiny_llama_dir, kv_cache_dtype)
     chunks = _decode_step_inputs(engine, [5, 8, 17, 30])
     meta = engine.runner.build_step(chunks).meta
     spec = engine.spec
@@ -289,12 +330,15 @@ def _prefill_chunk_case(engine, context_start: int, query_len: int):
     # tails of the 6- and 12-row tiles (8- and 16-float builds), block edges
     [(0, 1), (0, 7), (0, 45), (9, 13), (32, 20)],
 )
+@KV_DTYPES
 def test_every_available_attention_backend_agrees_on_a_prefill_chunk(
-    tiny_llama_dir, context_start, query_len
+    tiny_llama_dir, context_start, query_len, kv_cache_dtype
 ):
     """A chunk attends causally to its cached context and itself, read from the pool."""
-    engine = make_engine(tiny_llama_dir)
+    engine = engine_with_kv(tiny_llama_dir, kv_cache_dtype)
     (q, k, v, meta, scale), rows, blocks = _prefill_chunk_case(engine, context_start, query_len)
+    # the chunk's own keys as the pool holds them (what rope_store leaves in qkv)
+    k, v = (t.to(engine.kv_pool.kv.dtype).float() for t in (k, v))
 
     reference = TorchPagedAttention().forward(q, k, v, engine.kv_pool, 1, meta, scale)
     for name in available_backends(torch.float32):

@@ -1,4 +1,4 @@
-"""Paged attention on the native float32 CPU kernels.
+"""Paged attention on the native float32 CPU kernels, over a float32 or bfloat16 pool.
 
 Decode rows read their blocks where they lie in the pool (`pd_decode_attention`), so a
 decode step no longer copies every block of every sequence into a dense tensor per
@@ -17,7 +17,8 @@ from engine.native.ops import NativeKernels
 
 
 class NativePagedAttention(TorchPagedAttention):
-    """Float32 CPU backend; `kernels` are the process's `NativeKernels`."""
+    """Float32 CPU backend (the pool float32 or bfloat16); `kernels` are the process's
+    `NativeKernels`."""
 
     name = "native"
 
@@ -35,6 +36,7 @@ class NativePagedAttention(TorchPagedAttention):
             out.data_ptr(),
             out.stride(0),
             torch.get_num_threads(),
+            _holds_bf16(kv_pool),
         )
         if status != 0:
             super()._decode(q, kv_pool, layer, meta, scale, out)
@@ -52,6 +54,7 @@ class NativePagedAttention(TorchPagedAttention):
             out.data_ptr(),
             num_heads * head_dim,
             torch.get_num_threads(),
+            _holds_bf16(kv_pool),
         )
         if status != 0:
             return super()._prefill(q, k, v, kv_pool, layer, chunk, scale)
@@ -75,8 +78,13 @@ class NativePagedAttention(TorchPagedAttention):
             key_out.data_ptr(),
             value_out.data_ptr(),
             torch.get_num_threads(),
+            _holds_bf16(kv_pool),
         )
         return key_out, value_out
+
+
+def _holds_bf16(kv_pool) -> int:
+    return int(kv_pool.kv.dtype == torch.bfloat16)
 
 
 def _query_and_pool(q: torch.Tensor, kv_pool, layer: int) -> tuple:

@@ -28,11 +28,12 @@ typedef struct {
   long rows;
   const int64_t *tokens, *positions, *slot_blocks, *slot_offsets, *block_tables, *context_lens;
   long table_stride;
-  float *kv; /* the pool: [blocks][layers][2][block_size][kv_heads][head_dim] */
-  long block_stride, layer_stride, kind_stride, block_size;
+  void *kv; /* the pool: [blocks][layers][2][block_size][kv_heads][head_dim] */
+  long block_stride, layer_stride, kind_stride, block_size; /* in elements */
   /* step buffers, rows x: hidden, qkv width, heads * head_dim, 2 * intermediate,
    * max(hidden, intermediate), vocab */
   float *residual, *qkv, *attn, *gate_up, *scratch, *logits;
+  int kv_bf16; /* the pool holds bf16 */
 } pd_decode_batch;
 
 static void embed_rows(const pd_model *m, const pd_decode_batch *b, int t, int nt) {
@@ -72,14 +73,16 @@ static void layer_step(const pd_model *m, const pd_decode_batch *b, long l, atte
   const pd_layer_weights *w = m->layers + l;
   long H = m->hidden, I = m->intermediate, R = b->rows, D = m->head_dim;
   long q_width = m->num_heads * D, qkv_width = q_width + 2 * m->num_kv_heads * D;
-  float *k_cache = b->kv + l * b->layer_stride, *v_cache = k_cache + b->kind_stride;
+  void *k_cache = (void *)kv_at(b->kv, l * b->layer_stride, b->kv_bf16);
+  void *v_cache = (void *)kv_at(k_cache, b->kind_stride, b->kv_bf16);
   linear_args qkv = projection(b->residual, H, R, H, w->qkv, qkv_width, w->qkv_bias,
                                PROLOGUE_RMSNORM, w->input_norm, m, b, b->qkv, 0);
   linear_team(&qkv, t, nt);
 #pragma omp barrier
   rope_store_args rope = {b->qkv,      qkv_width,        R,       m->num_heads, m->num_kv_heads,
                           D,           b->positions,     m->rope_cos, m->rope_sin, k_cache,
-                          v_cache,     b->block_stride, b->slot_blocks, b->slot_offsets};
+                          v_cache,     b->block_stride, b->slot_blocks, b->slot_offsets,
+                          b->kv_bf16};
   rope_store_team(&rope, t, nt);
 #pragma omp barrier
   att->k_cache = k_cache;
@@ -112,7 +115,7 @@ int pd_decode_step(const pd_model *m, const pd_decode_batch *b, int nthreads) {
                         b->context_lens, m->scale,
                         b->attn,         q_width,
                         0,               0,
-                        0};
+                        0,               b->kv_bf16};
   if (attention_plan(&att, nthreads)) return -1;
   size_t partial = (size_t)(b->rows * att.spans * attention_partial_stride(&att));
   att.partial = att.spans > 1 ? malloc(sizeof(float) * partial) : 0;

@@ -58,6 +58,7 @@ class _DecodeBatch(ctypes.Structure):
         ("kv", _P),
         *((name, _L) for name in ("block_stride", "layer_stride", "kind_stride", "block_size")),
         *((name, _P) for name in _BATCH_BUFFERS),
+        ("kv_bf16", ctypes.c_int),
     ]
 
 
@@ -128,6 +129,7 @@ class FusedDecode:
             *kv.stride()[:3],
             kv.shape[3],
             *(buffers[name].data_ptr() for name in _BATCH_BUFFERS),
+            int(kv.dtype == torch.bfloat16),
         )
         threads = torch.get_num_threads()
         status = self.library.pd_decode_step(ctypes.byref(self.model), ctypes.byref(batch), threads)

@@ -69,13 +69,6 @@ static const tile_bf16_fn TILES_BF16[13] = {
 };
 #define MR_BF16 12
 
-static inline float bf16_to_float(uint16_t h) {
-  uint32_t bits = (uint32_t)h << 16;
-  float f;
-  memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
 /* One row over NS (1 or 2) consecutive strips, pairs split over two chains (even and
  * odd pairs, summed at the end): memory-bound; gemv_group in linear.c, on bf16 pairs. */
 static inline __attribute__((always_inline)) void gemv_group_bf16(int NS, const uint32_t *x,
@@ -174,7 +167,8 @@ static inline void store_bf16x16(uint16_t *out, __m512 v) {
   _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
-static inline uint16_t float_to_bf16(float f) {
+/* As store_bf16x16, one float (native.h's float_to_bf16 differs on denormals). */
+static inline uint16_t round_bf16_ss(float f) {
   return (uint16_t)_mm_cvtsi128_si32((__m128i)_mm_cvtneps_pbh(_mm_set_ss(f)));
 }
 
@@ -192,16 +186,16 @@ static void row_to_bf16(const linear_args *a, long m, uint16_t *out) {
     for (k = 0; k + 16 <= K; k += 16)
       store_bf16x16(out + k, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + k), vs),
                                            _mm512_loadu_ps(a->norm_weight + k)));
-    for (; k < K; k++) out[k] = float_to_bf16(x[k] * scale * a->norm_weight[k]);
+    for (; k < K; k++) out[k] = round_bf16_ss(x[k] * scale * a->norm_weight[k]);
   } else if (a->prologue == PROLOGUE_SILU_MUL) {
     for (; k + 16 <= K; k += 16) {
       vf g = LOADU(x + k), u = LOADU(x + K + k);
       store_bf16x16(out + k, (__m512)(g / (splat(1.0f) + vexp(-g)) * u));
     }
-    for (; k < K; k++) out[k] = float_to_bf16(x[k] / (1.0f + sexp(-x[k])) * x[K + k]);
+    for (; k < K; k++) out[k] = round_bf16_ss(x[k] / (1.0f + sexp(-x[k])) * x[K + k]);
   } else {
     for (; k + 16 <= K; k += 16) store_bf16x16(out + k, _mm512_loadu_ps(x + k));
-    for (; k < K; k++) out[k] = float_to_bf16(x[k]);
+    for (; k < K; k++) out[k] = round_bf16_ss(x[k]);
   }
   if (K % 2) out[K] = 0;
 }

@@ -11,6 +11,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 /* Floats per vector of the projections (linear.c): build.py passes -DVL=16 (zmm) where
  * the CPU has AVX-512F, else 8 (ymm). A projection's output column sums its K products
@@ -88,6 +91,46 @@ typedef int32_t i8 __attribute__((vector_size(32)));
 static inline f8 splat8(float f) { return f - (f8){0}; }
 DEFINE_VEXP(vexp8, f8, i8)
 
+/* The KV pool holds float32, or bfloat16 (`bf16` below: half the bytes that decode
+ * attention streams per step). Kernels address it by element: element i of a layer's
+ * keys or values from their block 0. A bf16 value is a float32's top half, so reading
+ * one back is a shift; storing rounds to nearest even, as torch's conversion does.
+ * Callers pass `bf16` as a constant through always-inline functions, so the branch is
+ * compiled out of the inner loops. */
+typedef uint16_t u16x8 __attribute__((vector_size(16), aligned(2)));
+
+static inline const void *kv_at(const void *base, long i, int bf16) {
+  return bf16 ? (const void *)((const uint16_t *)base + i) : (const void *)((const float *)base + i);
+}
+
+static inline f8 kv_load8(const void *base, long i, int bf16) {
+  if (!bf16) return LOAD8((const float *)base + i);
+  const uint16_t *half = (const uint16_t *)base + i;
+#ifdef __AVX2__ /* one widening load; GCC splits the generic conversion in two halves */
+  return (f8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)half)), 16);
+#else
+  return (f8)(__builtin_convertvector(*(const u16x8 *)half, i8) << 16);
+#endif
+}
+
+static inline float bf16_to_float(uint16_t half) {
+  uint32_t bits = (uint32_t)half << 16;
+  float x;
+  memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+static inline uint16_t float_to_bf16(float x) {
+  uint32_t bits;
+  memcpy(&bits, &x, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN */
+  return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+static inline float kv_load1(const void *base, long i, int bf16) {
+  return bf16 ? bf16_to_float(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
 /* Lane j of the result is the sum of v[j]'s lanes: eight dot products finished at once. */
 static inline f8 transpose_sum8(const f8 v[8]) {
   const i8 even = {0, 8, 2, 10, 4, 12, 6, 14}, odd = {1, 9, 3, 11, 5, 13, 7, 15};
@@ -159,9 +202,10 @@ typedef struct {
   long ldqkv, T, Hq, Hkv, D;
   const int64_t *positions;
   const float *cos, *sin; /* [positions][D] */
-  float *k_cache, *v_cache; /* block 0 of this layer's keys / values */
-  long block_stride;
+  void *k_cache, *v_cache; /* block 0 of this layer's keys / values */
+  long block_stride;       /* in elements, as every pool stride */
   const int64_t *slot_blocks, *slot_offsets;
+  int kv_bf16; /* the pool holds bf16: k and v are rounded, in qkv too, as they are stored */
 } rope_store_args;
 
 void rope_store_team(const rope_store_args *a, int t, int nt);
@@ -170,7 +214,7 @@ void rope_store_team(const rope_store_args *a, int t, int nt);
 typedef struct {
   const float *q;
   long ldq, R, Hq, Hkv, D;
-  const float *k_cache, *v_cache;
+  const void *k_cache, *v_cache;
   long block_stride, block_size;
   const int64_t *block_tables;
   long table_stride;
@@ -181,6 +225,7 @@ typedef struct {
   /* from attention_plan: */
   long spans, blocks_per_span;
   float *partial; /* R * spans * attention_partial_stride floats when spans > 1 */
+  int kv_bf16;
 } attention_args;
 
 /* 0, or -1 for shapes the kernel does not take; fills spans and blocks_per_span. */

@@ -30,17 +30,18 @@ _SIGNATURES = {
     "pd_has_bf16": ([], _I),
     "pd_use_amx": ([_I], _I),
     "pd_linear": ([_P, _L, _L, _L, _P, _L, _P, _I, _P, _F, _P, _P, _L, _I, _I, _I], None),
+    # The kernels that touch the KV pool end with `kv_bf16`: it holds bf16, not float32.
     "pd_rope_store": (
-        [_P, _L, _L, _L, _L, _L, _P, _P, _P, _P, _P, _L, _P, _P, _I],
+        [_P, _L, _L, _L, _L, _L, _P, _P, _P, _P, _P, _L, _P, _P, _I, _I],
         None,
     ),
     "pd_decode_attention": (
-        [_P, _L, _L, _L, _L, _L, _P, _P, _L, _L, _P, _L, _P, _F, _P, _L, _I],
+        [_P, _L, _L, _L, _L, _L, _P, _P, _L, _L, _P, _L, _P, _F, _P, _L, _I, _I],
         _I,
     ),
-    "pd_gather_kv": ([_P, _P, _L, _L, _L, _L, _P, _L, _P, _P, _I], None),
+    "pd_gather_kv": ([_P, _P, _L, _L, _L, _L, _P, _L, _P, _P, _I, _I], None),
     "pd_prefill_attention": (
-        [_P, _L, _L, _L, _L, _L, _P, _P, _L, _L, _P, _L, _F, _P, _L, _I],
+        [_P, _L, _L, _L, _L, _L, _P, _P, _L, _L, _P, _L, _F, _P, _L, _I, _I],
         _I,
     ),
 }
@@ -124,9 +125,11 @@ def _ptr(tensor: torch.Tensor | None) -> int | None:
 
 
 class NativeOps:
-    """`engine.layer_ops.TorchOps`' interface on the native kernels (CPU). Activations,
-    the residual and the KV cache are float32; the projections' weights are float32, or
-    bfloat16 with `weights_bf16` (the kernels then round each projection's input to bf16)."""
+    """`engine.layer_ops.TorchOps`' interface on the native kernels (CPU). Activations
+    and the residual are float32; the projections' weights are float32, or bfloat16
+    with `weights_bf16` (the kernels then round each projection's input to bf16); the
+    KV pool is float32 or bfloat16 (`rope_store` then rounds k and v as it stores them,
+    in qkv too, so that every attention path reads the same values)."""
 
     name = "native"
 
@@ -210,6 +213,7 @@ class NativeOps:
             meta.slot_blocks.data_ptr(),
             meta.slot_offsets.data_ptr(),
             self.threads,
+            int(keys.dtype == torch.bfloat16),
         )
         q, k, v = qkv.split(sizes.split, dim=-1)
         return (

@@ -28,7 +28,7 @@
 typedef struct {
   const float *q;
   long ldq, T, Hq, Hkv, D;
-  const float *k_cache, *v_cache;
+  const void *k_cache, *v_cache; /* float32, or bf16 with kv_bf16 */
   long block_stride, block_size;
   const int64_t *table;
   long context_start;
@@ -38,11 +38,21 @@ typedef struct {
   long n, n_pad; /* keys attended by the last row; rounded up to PA_COLS */
   float *keys_t; /* [Hkv][D][n_pad] */
   float *values; /* [Hkv][n_pad][D] */
+  int kv_bf16;
 } prefill_args;
 
-static const float *pool_row(const prefill_args *a, const float *cache, long t, long h) {
-  return cache + a->table[t / a->block_size] * a->block_stride +
-         (t % a->block_size) * a->Hkv * a->D + h * a->D;
+/* Element offset of token t's kv head h in the pool. */
+static long pool_row(const prefill_args *a, long t, long h) {
+  return a->table[t / a->block_size] * a->block_stride + (t % a->block_size) * a->Hkv * a->D +
+         h * a->D;
+}
+
+static inline __attribute__((always_inline)) void gather_row(const prefill_args *a, long t,
+                                                             long h, float *kt, float *v,
+                                                             int bf16) {
+  long row = pool_row(a, t, h);
+  for (long d = 0; d < a->D; d++) kt[d * a->n_pad] = kv_load1(a->k_cache, row + d, bf16);
+  for (long d = 0; d < a->D; d += 8) STORE8(v + d, kv_load8(a->v_cache, row + d, bf16));
 }
 
 static void gather_context(const prefill_args *a) {
@@ -52,9 +62,10 @@ static void gather_context(const prefill_args *a) {
     for (long h = 0; h < a->Hkv; h++) {
       float *kt = a->keys_t + h * D * a->n_pad + t, *v = a->values + (h * a->n_pad + t) * D;
       if (t < a->n) {
-        const float *k_src = pool_row(a, a->k_cache, t, h);
-        for (long d = 0; d < D; d++) kt[d * a->n_pad] = k_src[d];
-        memcpy(v, pool_row(a, a->v_cache, t, h), sizeof(float) * (size_t)D);
+        if (a->kv_bf16)
+          gather_row(a, t, h, kt, v, 1);
+        else
+          gather_row(a, t, h, kt, v, 0);
       } else {
         for (long d = 0; d < D; d++) kt[d * a->n_pad] = 0.0f;
         memset(v, 0, sizeof(float) * (size_t)D);
@@ -158,9 +169,9 @@ static void attend_tile(const prefill_args *a, long r0, long rows, long j, float
  * shapes it does not take: a head dim that is not a multiple of 16, or query heads
  * that are not a multiple of the kv heads. */
 int pd_prefill_attention(const float *q, long ldq, long T, long Hq, long Hkv, long D,
-                         const float *k_cache, const float *v_cache, long block_stride,
+                         const void *k_cache, const void *v_cache, long block_stride,
                          long block_size, const int64_t *table, long context_start,
-                         float scale, float *out, long ldo, int nthreads) {
+                         float scale, float *out, long ldo, int nthreads, int kv_bf16) {
   if (D % PA_COLS || Hkv <= 0 || Hq % Hkv || T <= 0 || nthreads < 1) return -1;
   long n = context_start + T, n_pad = (n + PA_COLS - 1) / PA_COLS * PA_COLS;
   long per_thread = PA_ROWS * (D + n_pad);
@@ -169,7 +180,7 @@ int pd_prefill_attention(const float *q, long ldq, long T, long Hq, long Hkv, lo
   if (!buffer) return -1;
   prefill_args a = {q,     ldq,   T,    Hq,   Hkv,    D,     k_cache, v_cache, block_stride,
                     block_size, table, context_start, scale, out, ldo, n, n_pad, buffer,
-                    buffer + Hkv * D * n_pad};
+                    buffer + Hkv * D * n_pad, kv_bf16};
   float *scratch = buffer + 2 * Hkv * D * n_pad;
   long tiles = (T + PA_ROWS - 1) / PA_ROWS;
 #pragma omp parallel num_threads(nthreads)
