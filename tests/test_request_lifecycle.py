@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 from ray.exceptions import RayActorError
 
-from cluster.config import ClusterConfig, ConfigError
+from cluster.config import COLOCATED_CPU_STEP_TOKENS, ClusterConfig, ConfigError
 from cluster.disaggregation import Disaggregation, PathChoice
 from cluster.request import ClusterRequest, RequestFailedError
 from cluster.request_flow import RequestFlow
@@ -266,6 +266,23 @@ def test_a_transport_that_cannot_join_two_processes_is_refused():
     ClusterConfig(transport="local", mode="colocated")
     with pytest.raises(ConfigError, match="transport_options"):
         ClusterConfig(transport_options={"chunk_bytes": -1})
+
+
+def test_cpu_step_budgets_default_per_role_and_yield_to_the_setting():
+    """A prefill worker's step is one prompt chunk; a colocated worker's is 1024 tokens
+    (COLOCATED_CPU_STEP_TOKENS), within max_batch_tokens; prefill_batch_tokens sets both."""
+    disaggregated, colocated = ClusterConfig(), ClusterConfig(mode="colocated", transport="local")
+    assert disaggregated.engine_config("prefill").max_batch_tokens == 512
+    assert disaggregated.engine_config("decode").max_batch_tokens == 2048
+    assert colocated.engine_config("decode").max_batch_tokens == COLOCATED_CPU_STEP_TOKENS
+    assert colocated.replace(max_batch_tokens=640).engine_config("decode").max_batch_tokens == 640
+    assert (
+        colocated.replace(prefill_batch_tokens=768).engine_config("decode").max_batch_tokens == 768
+    )
+    assert (
+        disaggregated.replace(prefill_batch_tokens=768).engine_config("prefill").max_batch_tokens
+        == 768
+    )
 
 
 # --- the driver's request owner, against fake workers -----------------------------------
