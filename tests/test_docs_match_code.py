@@ -22,7 +22,9 @@ from cluster.config import ClusterConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+FLAG = re.compile(r"(?<![\w@+-])--[a-z][a-z0-9-]*")
+SERVE_FLAG = re.compile(r"(?<=[@+])--[a-z][a-z0-9-]*")
+"""A `pdserve serve` flag carried by a compare-servers server spec (`name@--x=1+--y=2`)."""
 COMMAND_END = re.compile(r"\s(?:\||&&|;|>|#)\s")
 
 
@@ -82,6 +84,9 @@ def test_every_documented_flag_exists(doc, command):
         if flag not in accepted_flags(parser) and flag not in top_level
     ]
     assert not unknown, f"{doc}: `pdserve {' '.join(path)}` has no {unknown} ({command})"
+    serve, _ = subcommand(build_parser(), ["serve"])
+    unserved = [flag for flag in SERVE_FLAG.findall(command) if flag not in accepted_flags(serve)]
+    assert not unserved, f"{doc}: `pdserve serve` has no {unserved} ({command})"
 
 
 def test_the_config_table_lists_exactly_the_config_keys():
