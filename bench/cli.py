@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from engine.config import KERNEL_CHOICES, KV_CACHE_DTYPES
+
 
 def add_bench_parser(sub) -> None:
     parser = sub.add_parser("bench", help="benchmarks (see docs/benchmarks.md)")
@@ -57,13 +59,13 @@ def add_bench_parser(sub) -> None:
     engine.add_argument(
         "--kernels",
         default="auto",
-        choices=["auto", "native", "torch"],
+        choices=KERNEL_CHOICES,
         help="layer ops: native float32 CPU kernels, torch, or auto (native where it applies)",
     )
     engine.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=["auto", "float32", "bfloat16"],
+        choices=KV_CACHE_DTYPES,
         help="KV pool dtype (default auto: the model's dtype; float32 under bf16 weights "
         "measures what a full-precision pool costs decode attention)",
     )

@@ -173,6 +173,11 @@ class KVCachePool:
     def block_size(self) -> int:
         return self.layout.block_size
 
+    @property
+    def holds_bf16(self) -> int:
+        """1 where the pool holds bfloat16, else 0: the native kernels' `kv_bf16` argument."""
+        return int(self.kv.dtype == torch.bfloat16)
+
     def private_resident_bytes(self) -> int:
         """Bytes of the pool in this process's private memory now (0 for a pool in a
         shared file, or on a device): what its first-touch filling adds to private RSS."""

@@ -61,11 +61,9 @@ void pd_rope_store(float *qkv, long ldqkv, long T, long Hq, long Hkv, long D,
   rope_store_team(&a, omp_get_thread_num(), omp_get_num_threads());
 }
 
-/* q . the D keys from element k of the pool. */
-static inline __attribute__((always_inline)) float dot8(const float *q, const void *keys,
-                                                        long k, long D, int bf16) {
+static inline float dot8(const float *a, const float *b, long D) {
   f8 acc = splat8(0.0f);
-  for (long d = 0; d < D; d += 8) acc += LOAD8(q + d) * kv_load8(keys, k + d, bf16);
+  for (long d = 0; d < D; d += 8) acc += LOAD8(a + d) * LOAD8(b + d);
   f8 parts[8] = {acc};
   return transpose_sum8(parts)[0];
 }
@@ -103,7 +101,7 @@ static void block_scores(const paged_seq *s, const float *q, const float *keys, 
       }
       STORE8(out + i, transpose_sum8(acc));
     }
-    for (; i < n; i++) out[i] = dot8(qj, kh, i * row, D, 0);
+    for (; i < n; i++) out[i] = dot8(qj, kh + i * row, D);
   }
 }
 

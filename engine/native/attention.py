@@ -36,7 +36,7 @@ class NativePagedAttention(TorchPagedAttention):
             out.data_ptr(),
             out.stride(0),
             torch.get_num_threads(),
-            _holds_bf16(kv_pool),
+            kv_pool.holds_bf16,
         )
         if status != 0:
             super()._decode(q, kv_pool, layer, meta, scale, out)
@@ -54,7 +54,7 @@ class NativePagedAttention(TorchPagedAttention):
             out.data_ptr(),
             num_heads * head_dim,
             torch.get_num_threads(),
-            _holds_bf16(kv_pool),
+            kv_pool.holds_bf16,
         )
         if status != 0:
             return super()._prefill(q, k, v, kv_pool, layer, chunk, scale)
@@ -78,13 +78,9 @@ class NativePagedAttention(TorchPagedAttention):
             key_out.data_ptr(),
             value_out.data_ptr(),
             torch.get_num_threads(),
-            _holds_bf16(kv_pool),
+            kv_pool.holds_bf16,
         )
         return key_out, value_out
-
-
-def _holds_bf16(kv_pool) -> int:
-    return int(kv_pool.kv.dtype == torch.bfloat16)
 
 
 def _query_and_pool(q: torch.Tensor, kv_pool, layer: int) -> tuple:

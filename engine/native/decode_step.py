@@ -129,7 +129,7 @@ class FusedDecode:
             *kv.stride()[:3],
             kv.shape[3],
             *(buffers[name].data_ptr() for name in _BATCH_BUFFERS),
-            int(kv.dtype == torch.bfloat16),
+            kv_pool.holds_bf16,
         )
         threads = torch.get_num_threads()
         status = self.library.pd_decode_step(ctypes.byref(self.model), ctypes.byref(batch), threads)

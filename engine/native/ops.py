@@ -213,7 +213,7 @@ class NativeOps:
             meta.slot_blocks.data_ptr(),
             meta.slot_offsets.data_ptr(),
             self.threads,
-            int(keys.dtype == torch.bfloat16),
+            kv_pool.holds_bf16,
         )
         q, k, v = qkv.split(sizes.split, dim=-1)
         return (
