@@ -8,6 +8,7 @@ actor starts.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
@@ -25,6 +26,9 @@ DisaggregationMode = Literal["always", "never", "auto"]
 
 COLOCATED_CPU_STEP_TOKENS = 1024
 """Default step cap of a colocated CPU worker (`ClusterConfig.colocated_step_tokens`)."""
+DECODE_SIDE_PREFILL_CPU_STEP_TOKENS = 256
+"""Default step cap of a CPU decode worker under `disaggregation: auto`
+(`ClusterConfig.decode_step_tokens`)."""
 
 
 class ConfigError(ValueError):
@@ -42,8 +46,11 @@ class ClusterConfig(ModelSettings):
     """Prefill workers (disaggregated mode)."""
     decode_workers: int = 1
     """Decode workers (in colocated mode: colocated workers, each prefilling and decoding)."""
-    threads_per_worker: int = 1
-    """torch threads per worker on CPU (keep workers x threads <= cores)."""
+    threads_per_worker: int | None = None
+    """torch threads per worker on CPU (keep workers x threads <= cores). None: this
+    machine's cores shared evenly by the workers that serve at once (a colocated worker
+    alone gets them all; 1 prefill + 1 decode worker on 2 cores get one each), at least
+    1. Set it on a multi-node cluster, whose nodes may differ from the driver's."""
     gpus_per_worker: float = 0.0
     """GPUs per worker on GPU pools; 0 runs on CPU."""
     prefill_kv_blocks: int = 1024
@@ -57,6 +64,14 @@ class ClusterConfig(ModelSettings):
     bigger step only holds back every first token in it) and 1024 for a colocated one
     (fewer mixed steps stall the running streams: at 16 streams it traded TTFT, which
     vLLM leaves higher, for TPOT and throughput; docs/benchmarks.md, issue 19)."""
+    decode_batch_tokens: int | None = None
+    """Step budget of decode workers (tokens) in disaggregated mode. None:
+    `max_batch_tokens`, except on CPUs under `disaggregation: auto`, where it is 256 (and
+    the decode worker's prompt pieces no longer than that): a prompt the decode worker
+    prefills itself rides in its decode steps and delays every stream in them, and a
+    piece takes ~1.5 ms per token on one core. At 16 streams on the Zen 4 EPYC (1 + 1
+    workers, bf16) `auto` served 0.94x vLLM with an ITL p99 of 490 ms at 256, 0.96x with
+    789 ms at 512 (colocated: 792 ms); `always` served 0.72x (docs/benchmarks.md)."""
     transport: TransportName = "auto"
     """KV transport: `auto` (shm on one node, collective across nodes), shm, collective, grpc, local."""
     transport_options: dict = field(default_factory=dict)
@@ -119,8 +134,10 @@ class ClusterConfig(ModelSettings):
             raise ConfigError("prefill_workers must be >= 1 in disaggregated mode")
         if self.decode_workers < 1:
             raise ConfigError("decode_workers must be >= 1")
-        if self.threads_per_worker < 1:
+        if self.threads_per_worker is not None and self.threads_per_worker < 1:
             raise ConfigError("threads_per_worker must be >= 1")
+        if self.decode_batch_tokens is not None and self.decode_batch_tokens < 1:
+            raise ConfigError("decode_batch_tokens must be >= 1")
         if self.gpus_per_worker < 0:
             raise ConfigError("gpus_per_worker must be >= 0")
         restarts = (
@@ -189,12 +206,26 @@ class ClusterConfig(ModelSettings):
             shared["max_batch_tokens"] = self.prefill_step_tokens
         elif self.mode == "colocated" and self.device == "cpu":
             shared["max_batch_tokens"] = min(self.max_batch_tokens, self.colocated_step_tokens)
+        elif self.mode == "disaggregated":
+            shared["max_batch_tokens"] = self.decode_step_tokens
+            shared["prefill_chunk_size"] = min(self.prefill_chunk_size, self.decode_step_tokens)
         return EngineConfig(
             **shared,
             device=self.device,
             num_kv_blocks=blocks,
-            num_threads=self.threads_per_worker,
+            num_threads=self.worker_threads,
         )
+
+    @property
+    def worker_threads(self) -> int:
+        """`threads_per_worker`, or its default: the cores of this machine over the workers
+        that serve at once (spares wait idle, so they do not count)."""
+        if self.threads_per_worker is not None:
+            return self.threads_per_worker
+        serving = self.decode_workers + (
+            self.prefill_workers if self.mode == "disaggregated" else 0
+        )
+        return max(1, (os.cpu_count() or 1) // serving)
 
     @property
     def colocated_step_tokens(self) -> int:
@@ -206,6 +237,16 @@ class ClusterConfig(ModelSettings):
         if self.prefill_batch_tokens is not None:
             return self.prefill_batch_tokens
         return COLOCATED_CPU_STEP_TOKENS
+
+    @property
+    def decode_step_tokens(self) -> int:
+        """The step cap of a decode worker (disaggregated mode): `decode_batch_tokens`, or
+        its default (see there)."""
+        if self.decode_batch_tokens is not None:
+            return self.decode_batch_tokens
+        if self.device == "cpu" and self.disaggregation == "auto":
+            return min(self.max_batch_tokens, DECODE_SIDE_PREFILL_CPU_STEP_TOKENS)
+        return self.max_batch_tokens
 
     @property
     def prefill_step_tokens(self) -> int:

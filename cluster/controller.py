@@ -106,7 +106,7 @@ class Controller:
 
     def _spawn(self, worker: WorkerInfo):
         """Start the next generation of `worker`'s actor; returns its handle."""
-        threads = str(self.config.threads_per_worker)
+        threads = str(self.config.worker_threads)
         worker.generation += 1
         options = dict(
             # A restarted worker gets a fresh name: the dead actor's name is released lazily.

@@ -9,7 +9,12 @@ from types import SimpleNamespace
 import pytest
 from ray.exceptions import RayActorError
 
-from cluster.config import COLOCATED_CPU_STEP_TOKENS, ClusterConfig, ConfigError
+from cluster.config import (
+    COLOCATED_CPU_STEP_TOKENS,
+    DECODE_SIDE_PREFILL_CPU_STEP_TOKENS,
+    ClusterConfig,
+    ConfigError,
+)
 from cluster.disaggregation import Disaggregation, PathChoice
 from cluster.request import ClusterRequest, RequestFailedError
 from cluster.request_flow import RequestFlow
@@ -283,6 +288,38 @@ def test_cpu_step_budgets_default_per_role_and_yield_to_the_setting():
         disaggregated.replace(prefill_batch_tokens=768).engine_config("prefill").max_batch_tokens
         == 768
     )
+
+
+def test_a_cpu_decode_worker_that_prefills_on_its_own_keeps_its_steps_short():
+    """Under `disaggregation: auto` a CPU decode worker's step, and so the prompt piece
+    it may prefill in it, is capped at DECODE_SIDE_PREFILL_CPU_STEP_TOKENS; the prefill
+    worker keeps its chunk; decode_batch_tokens sets the cap."""
+    auto = ClusterConfig(disaggregation="auto")
+    decode, prefill = auto.engine_config("decode"), auto.engine_config("prefill")
+    assert (
+        decode.max_batch_tokens == decode.prefill_chunk_size == DECODE_SIDE_PREFILL_CPU_STEP_TOKENS
+    )
+    assert prefill.max_batch_tokens == prefill.prefill_chunk_size == 512
+    wide = auto.replace(decode_batch_tokens=1024).engine_config("decode")
+    assert (wide.max_batch_tokens, wide.prefill_chunk_size) == (1024, 512)
+    assert ClusterConfig(decode_batch_tokens=128).engine_config("decode").max_batch_tokens == 128
+    with pytest.raises(ConfigError, match="decode_batch_tokens"):
+        ClusterConfig(decode_batch_tokens=0)
+
+
+def test_worker_threads_default_to_the_cores_shared_by_the_serving_workers(monkeypatch):
+    """Unset, every worker that serves at once gets an even share of this machine's
+    cores (spares wait idle and do not count); a set value is kept as it is."""
+    monkeypatch.setattr("cluster.config.os.cpu_count", lambda: 8)
+    colocated = ClusterConfig(mode="colocated", transport="local")
+    assert colocated.worker_threads == 8
+    assert colocated.engine_config("decode").num_threads == 8
+    assert colocated.replace(decode_workers=3, standby_workers=1).worker_threads == 2
+    assert ClusterConfig().worker_threads == 4  # 1 prefill + 1 decode worker
+    assert ClusterConfig(prefill_workers=4, decode_workers=5).worker_threads == 1
+    assert ClusterConfig(threads_per_worker=3).engine_config("prefill").num_threads == 3
+    with pytest.raises(ConfigError, match="threads_per_worker"):
+        ClusterConfig(threads_per_worker=0)
 
 
 # --- the driver's request owner, against fake workers -----------------------------------
