@@ -39,7 +39,8 @@ def add_transfer_parser(kinds) -> None:
     parser = kinds.add_parser(
         "transfer",
         help="KV transfer GB/s per transport vs raw socket and memcpy, same run",
-        description=__doc__.splitlines()[0],
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--transport",
