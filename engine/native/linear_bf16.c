@@ -21,6 +21,7 @@
 
 int pd_has_bf16(void) { return 1; }
 
+#define GEMV_PF_AHEAD 2048 /* bf16 elements a one-row projection prefetches ahead */
 #define KP 256 /* k pairs per block: a strip piece of KP x NR x 2 bf16 (32 KiB) stays in L1 */
 
 static inline __m512bh bf16_pair_lanes(const uint16_t *w) {
@@ -70,7 +71,11 @@ static const tile_bf16_fn TILES_BF16[13] = {
 #define MR_BF16 12
 
 /* One row over NS (1 or 2) consecutive strips, pairs split over two chains (even and
- * odd pairs, summed at the end): memory-bound; gemv_group in linear.c, on bf16 pairs. */
+ * odd pairs, summed at the end): memory-bound; gemv_group in linear.c, on bf16 pairs.
+ * Each strip's stream is prefetched into L2 GEMV_PF_AHEAD bf16 (4 KiB) ahead: the
+ * hardware prefetchers alone left a batch-1 bf16 decode step streaming its weights at
+ * about half a plain read's bandwidth on the Zen 4 EPYC, and this took 11-14% off the
+ * step (A/B in one process, both orders; into L1, or non-temporal, it was slower). */
 static inline __attribute__((always_inline)) void gemv_group_bf16(int NS, const uint32_t *x,
                                                                   const uint16_t *ws, long K2,
                                                                   const float *bias, float *y,
@@ -83,6 +88,8 @@ static inline __attribute__((always_inline)) void gemv_group_bf16(int NS, const 
   long p = 0;
   for (; p + 2 <= pairs; p += 2)
     for (int c = 0; c < 2; c++) {
+      for (int t = 0; t < NS; t++)
+        __builtin_prefetch(ws + t * strip + (p + c) * 2 * PD_NR + GEMV_PF_AHEAD, 0, 2);
       __m512bh a = (__m512bh)_mm512_set1_epi32((int)x[p + c]);
       for (int t = 0; t < NS; t++)
         for (int v = 0; v < 2; v++)
