@@ -13,6 +13,7 @@
 
 #ifndef PF_LOCALITY
 #define PF_LOCALITY 2 /* __builtin_prefetch locality of the next weight piece */
+#define GEMV_PF_AHEAD 2048 /* floats a one-row projection prefetches ahead */
 #endif
 
 int pd_strip_width(void) { return PD_NR; }
@@ -73,7 +74,9 @@ static void tail_strip(const float *x, long ldx, long M, long K, const float *ws
 
 /* One row over NS (1 or 2) consecutive strips, K split over two dependency chains (even
  * and odd k, summed at the end): memory-bound. Every column sums in that order, whatever
- * the strip width or the strips' split over threads. */
+ * the strip width or the strips' split over threads. Each strip's stream is prefetched
+ * into L2 GEMV_PF_AHEAD floats (8 KiB) ahead: a float32 batch-1 decode step took 10-17%
+ * less on the Zen 4 EPYC (A/B in one process, both orders; 4 KiB ahead gained 7%). */
 static inline __attribute__((always_inline)) void gemv_group(int NS, const float *x,
                                                              const float *ws, long K,
                                                              const float *bias, float *y,
@@ -85,6 +88,8 @@ static inline __attribute__((always_inline)) void gemv_group(int NS, const float
   long k = 0;
   for (; k + 2 <= K; k += 2)
     for (int c = 0; c < 2; c++) {
+      for (int t = 0; t < NS; t++)
+        __builtin_prefetch(ws + t * K * PD_NR + (k + c) * PD_NR + GEMV_PF_AHEAD, 0, PF_LOCALITY);
       vf xk = splat(x[k + c]);
       for (int t = 0; t < NS; t++)
         for (int v = 0; v < PD_NV; v++)
