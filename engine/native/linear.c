@@ -13,8 +13,8 @@
 
 #ifndef PF_LOCALITY
 #define PF_LOCALITY 2 /* __builtin_prefetch locality of the next weight piece */
-#define GEMV_PF_AHEAD 2048 /* floats a one-row projection prefetches ahead */
 #endif
+#define GEMV_PF_AHEAD 2048 /* floats a one-row projection prefetches ahead */
 
 int pd_strip_width(void) { return PD_NR; }
 
