@@ -5,9 +5,11 @@ ticket; the receiver recomputes them over the blocks it wrote before it reports 
 Transports feed a `BlockVerifier` as bytes land (`landed`), so each block is summed
 while it is still in cache (and, for collective, while the next piece is in flight);
 `finish` sums whatever was not fed. Copying transports (shm, local, gRPC on CPU pools)
-let it do the copy (`copy_piece`): each block is copied and summed in L2-sized steps,
-every step summed right behind its copy, so the sum reads the bytes from L2 instead of
-memory. Any mismatch fails the whole transfer with CHECKSUM and names the blocks (the
+let it do the copy (`copy_piece`): where the native kernels are built, each whole
+block is copied and hashed in one pass (engine/native/checksum.c: the hash reads the
+registers the copy loaded, so verifying costs no extra pass over the bytes); elsewhere,
+and for a block a piece cuts, in L2-sized steps, every step summed right behind its
+copy, so the sum reads the bytes from L2 instead of memory. Any mismatch fails the whole transfer with CHECKSUM and names the blocks (the
 caller frees its destination blocks, as for any failure).
 
 Two algorithms, named in the ticket so both ends agree:
@@ -19,6 +21,7 @@ Two algorithms, named in the ticket so both ends agree:
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 
@@ -48,6 +51,16 @@ CACHE_STEP = 1 << 20
 """Bytes copied, then summed, at a time by `copy_piece`: what was just written is still
 in one core's L2 (1-2 MiB on the CPUs we run on). Smaller steps lose more to handing
 the GIL between copy lanes than they gain in cache hits (docs/kv_transfer.md, runs F)."""
+
+
+@functools.cache
+def _fused_copy_hash():
+    """The native XXH3-64 copy-and-hash of whole blocks, or None where the kernels
+    cannot be built (no compiler): then `copy_piece` copies and hashes in steps."""
+    from engine.native.ops import native_kernels  # not at import: it may compile
+
+    kernels = native_kernels()
+    return None if kernels is None else kernels.copy_xxh3_blocks
 
 
 class _Crc32Stream:
@@ -132,12 +145,37 @@ class BlockVerifier:
 
     def copy_piece(self, src: np.ndarray, dst: np.ndarray, offset: int, corrupt: bool) -> None:
         """Copy one piece of the stream (`src` -> `dst`, uint8 views, `dst` in our pool,
-        at stream `offset`) and checksum it on the way: each block is copied and summed
-        a `CACHE_STEP` at a time, so the sum reads what the copy just wrote, from L2. A
+        at stream `offset`) and checksum it on the way: each whole block in one native
+        pass (`_copy_whole_blocks`), else a `CACHE_STEP` at a time, so the sum reads
+        what the copy just wrote, from L2. A
         block cut by the piece's end keeps its running sum for the piece that carries
         the rest, which must come next in stream order (pieces of whole blocks may come
         in any order, from several threads). `corrupt` flips the piece's first byte
         after it is copied (receiver-side fault injection)."""
+        at = 0 if corrupt else self._copy_whole_blocks(src, dst, offset)
+        if at < len(src):
+            self._copy_in_steps(src[at:], dst[at:], offset + at, corrupt)
+
+    def _copy_whole_blocks(self, src: np.ndarray, dst: np.ndarray, offset: int) -> int:
+        """Copy and hash, in one native pass each, the whole blocks the piece begins
+        with; returns the bytes done (0 where the native path does not apply)."""
+        size = self.block_nbytes
+        first, within = divmod(offset, size)
+        count = min(len(src) // size, len(self.dst) - first)
+        if within or count <= 0 or self.ticket.checksum_algo != "xxh3_64":
+            return 0
+        copy_hash = _fused_copy_hash()
+        if copy_hash is None:
+            return 0
+        digests = np.empty(count, dtype=np.uint64)
+        if copy_hash(src.ctypes.data, dst.ctypes.data, size, count, digests.ctypes.data):
+            return 0  # a block too small for the kernel's long-input path
+        for i, digest in enumerate(digests.tolist()):
+            self._check(first + i, digest)
+        return count * size
+
+    def _copy_in_steps(self, src: np.ndarray, dst: np.ndarray, offset: int, corrupt: bool):
+        """`copy_piece` in Python: `CACHE_STEP` copies, each hashed right behind."""
         size, step = self.block_nbytes, min(self.block_nbytes, CACHE_STEP)
         at, total = 0, len(src)
         while at < total:

@@ -110,19 +110,23 @@ def test_checksum_catches_a_flipped_bit_and_swapped_rows(algo):
 @pytest.mark.parametrize("algo", ["xxh3_64", "crc32"])
 @pytest.mark.parametrize("corrupt", [False, True])
 @pytest.mark.parametrize("blocks_per_piece", [2, 1.5, 0.3])
+@pytest.mark.parametrize("native", [True, False])
 def test_copy_piece_sums_blocks_in_steps_exactly_as_whole_blocks(
-    monkeypatch, algo, corrupt, blocks_per_piece
+    monkeypatch, algo, corrupt, blocks_per_piece, native
 ):
     """Blocks copied and summed a step at a time (here 1000 B: four whole steps and a
-    short one per 4 KiB block), in pieces of whole blocks or cutting through them,
-    verify against the sender's one-shot sums; a piece flipped by fault injection
-    fails exactly its first block."""
+    short one per 4 KiB block), or whole blocks in one native pass where the piece
+    holds them, in pieces of whole blocks or cutting through them, verify against the
+    sender's one-shot sums; a piece flipped by fault injection fails exactly its first
+    block."""
     from types import SimpleNamespace
 
     from kv_transfer import integrity
     from kv_transfer.integrity import BlockVerifier, block_checksums
 
     monkeypatch.setattr(integrity, "CACHE_STEP", 1000)
+    if not native:
+        monkeypatch.setattr(integrity, "_fused_copy_hash", lambda: None)
     source, dest = random_pool(seed=3), random_pool(seed=4)
     src_ids, dst_ids = [3, 4, 5], [10, 11, 12]
     ticket = SimpleNamespace(
@@ -148,6 +152,91 @@ def test_copy_piece_sums_blocks_in_steps_exactly_as_whole_blocks(
     else:
         verifier.finish()
         assert torch.equal(dest.kv[dst_ids], source.kv[src_ids])
+
+
+def test_native_copy_hash_fails_a_block_changed_after_its_export():
+    """A sender block rewritten after the export (reused under the receiver) fails its
+    checksum on the native path too, and only that block."""
+    from types import SimpleNamespace
+
+    from kv_transfer.integrity import BlockVerifier, block_checksums
+
+    source, dest = random_pool(seed=5), random_pool(seed=6)
+    src_ids, dst_ids = [3, 4, 5], [10, 11, 12]
+    ticket = SimpleNamespace(
+        checksums=block_checksums(source.kv, src_ids, "xxh3_64"),
+        checksum_algo="xxh3_64",
+        request_id="r",
+        sender_id="prefill-0",
+    )
+    source.kv[4].view(-1)[100] += 1.0
+    verifier = BlockVerifier(dest.kv, dst_ids, ticket)
+    src_all, dst_all = flat_bytes(source.kv).numpy(), flat_bytes(dest.kv).numpy()
+    size = LAYOUT.block_nbytes
+    verifier.copy_piece(src_all[3 * size : 6 * size], dst_all[10 * size : 13 * size], 0, False)
+    assert verifier.checked == [True, True, True]
+    with pytest.raises(KVTransferError, match=r"1 of 3 blocks.*positions \[1\]"):
+        verifier.finish()
+
+
+XXH3_LENGTHS = [
+    241,
+    255,
+    256,
+    257,
+    319,
+    320,
+    1023,
+    1024,
+    1025,
+    1087,
+    1088,
+    1089,
+    2047,
+    2048,
+    2049,
+    4096 + 7,
+    65536,
+    737280,
+    (1 << 20) + 63,
+]
+"""Lengths around each edge of XXH3's long path: the 240-byte limit, the 64-byte
+stripe, the 1 KiB block and the tail re-read from the end."""
+
+
+def test_native_copy_hash_equals_the_xxhash_package_at_every_length_class():
+    """engine/native/checksum.c: XXH3-64 of whole blocks, with or without their copy,
+    equals the xxhash package's digest (senders hash with the package), the copy is
+    exact, and a block within the 240-byte short path is refused."""
+    import xxhash
+
+    from engine.native.ops import native_kernels
+
+    kernels = native_kernels()
+    if kernels is None:
+        pytest.skip("no C compiler: the receiver hashes in Python")
+    rng = np.random.default_rng(7)
+    for length in [*XXH3_LENGTHS, *range(241, 1300, 17)]:
+        count = 3
+        src = rng.integers(0, 256, count * length + 5, dtype=np.uint8)[5:]  # unaligned
+        dst = np.zeros(count * length, dtype=np.uint8)
+        copied, hashed = np.zeros(count, np.uint64), np.zeros(count, np.uint64)
+        assert (
+            kernels.copy_xxh3_blocks(
+                src.ctypes.data, dst.ctypes.data, length, count, copied.ctypes.data
+            )
+            == 0
+        )
+        assert (
+            kernels.copy_xxh3_blocks(src.ctypes.data, None, length, count, hashed.ctypes.data) == 0
+        )
+        expected = [
+            xxhash.xxh3_64_intdigest(src[i * length : (i + 1) * length]) for i in range(count)
+        ]
+        assert copied.tolist() == expected == hashed.tolist(), length
+        assert np.array_equal(dst, src)
+    out = np.zeros(1, np.uint64)
+    assert kernels.copy_xxh3_blocks(src.ctypes.data, None, 240, 1, out.ctypes.data) == -1
 
 
 def test_plan_pieces_are_contiguous_on_both_sides():

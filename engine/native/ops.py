@@ -44,6 +44,7 @@ _SIGNATURES = {
         [_P, _L, _L, _L, _L, _L, _P, _P, _L, _L, _P, _L, _F, _P, _L, _I, _I],
         _I,
     ),
+    "pd_copy_xxh3_blocks": ([_P, _P, _L, _L, _P], _I),
 }
 
 
@@ -66,6 +67,8 @@ class NativeKernels:
         self.decode_attention = library.pd_decode_attention
         self.gather_kv = library.pd_gather_kv
         self.prefill_attention = library.pd_prefill_attention
+        self.copy_xxh3_blocks = library.pd_copy_xxh3_blocks
+        """XXH3-64 digests of whole KV blocks, copying them on the way (checksum.c)."""
 
 
 @functools.cache
