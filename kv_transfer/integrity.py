@@ -56,9 +56,14 @@ the GIL between copy lanes than they gain in cache hits (docs/kv_transfer.md, ru
 @functools.cache
 def _fused_copy_hash():
     """The native XXH3-64 copy-and-hash of whole blocks, or None where the kernels
-    cannot be built (no compiler): then `copy_piece` copies and hashes in steps."""
+    cannot be built (no compiler) or have no vector path for this CPU (checksum.c has
+    AVX2 and AVX-512 ones; its generic code hashed at a quarter of the xxhash package's
+    speed): then `copy_piece` copies and hashes in steps."""
     from engine.native.ops import native_kernels  # not at import: it may compile
+    from engine.platform import cpu_flags
 
+    if not {"avx2", "avx512f"} & cpu_flags():
+        return None
     kernels = native_kernels()
     return None if kernels is None else kernels.copy_xxh3_blocks
 
