@@ -17,9 +17,11 @@ at once; a standby spare of its role (`standby_workers`) takes its place at once
 the dead one is killed for good and started again: the first attempt at once, or
 after `standby_restart_delay_s` when a spare took its place, then with exponential
 backoff, up to `max_restarts` times in a crash loop (a generation that stayed healthy
-for `restart_budget_reset_s` was not in one and gives the budget back). A restarted
-worker is routed to again when its first health call succeeds, or becomes the role's
-spare if the role is at strength.
+for `restart_budget_reset_s` was not in one and gives the budget back). A restart
+takes a prestarted process of the role when one waits (`prestarted_workers`,
+cluster/prestarted.py) and only builds the engine in it; otherwise it starts a new
+process. A restarted worker is routed to again when its first health call succeeds,
+or becomes the role's spare if the role is at strength.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import time
 import ray
 
 from cluster.config import ClusterConfig
+from cluster.prestarted import PrestartedProcesses
 from cluster.router import WorkerInfo
 from decode_worker.worker import DecodeWorker
 from prefill_worker.worker import PrefillWorker
@@ -41,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 POOL_RESOURCES = {"prefill": "prefill_pool", "decode": "decode_pool", "colocated": "decode_pool"}
 _LOCAL_POOL_CAPACITY = 64
+PRESTARTED_POOL_SHARE = 0.01
 
 
 class Controller:
@@ -53,6 +57,7 @@ class Controller:
         self.watch_task: asyncio.Task | None = None
         self.restart_tasks: dict[str, asyncio.Task] = {}
         self.death_watches: dict[str, asyncio.Task] = {}
+        self.prestarted = PrestartedProcesses(config.prestarted_workers, self._start_prestarted)
 
     # --- start / stop ---------------------------------------------------------------
 
@@ -85,6 +90,8 @@ class Controller:
             self.workers[worker_id] = worker
         await asyncio.gather(*(self._first_health(w) for w in self.workers.values()))
         self.watch_task = asyncio.get_running_loop().create_task(self._watch())
+        for role in {w.role for w in self.workers.values()}:  # after the workers: off their start
+            self.prestarted.fill(role)
 
     def _planned_workers(self) -> list[tuple[str, int, bool]]:
         """(role, index within role, standby) of every worker to start."""
@@ -105,23 +112,42 @@ class Controller:
         return self.config.decode_workers
 
     def _spawn(self, worker: WorkerInfo):
-        """Start the next generation of `worker`'s actor; returns its handle."""
-        threads = str(self.config.worker_threads)
+        """Start the next generation of `worker`'s actor in a new process; returns its handle."""
         worker.generation += 1
+        # A restarted worker gets a fresh name: the dead actor's name is released lazily.
+        name = f"pdserve-{worker.worker_id}-g{worker.generation - 1}"
+        spec = self.config.worker_spec(worker.worker_id, worker.role)
+        return self._start_actor(worker.role, name, 1.0, spec)
+
+    def _start_prestarted(self, role: str, name: str):
+        """A process for `PrestartedProcesses`: imports done, nothing built. It asks for a
+        sliver of its pool's resource, which keeps it on that pool's nodes without taking
+        a worker's slot (a node may advertise exactly one unit per worker)."""
+        return self._start_actor(role, name, PRESTARTED_POOL_SHARE, None, self.config.transport)
+
+    def _start_actor(self, role: str, name: str, pool_units: float, *args):
+        """A worker actor of `role` in a new process, constructed with `args`."""
+        threads = str(self.config.worker_threads)
         options = dict(
-            # A restarted worker gets a fresh name: the dead actor's name is released lazily.
-            name=f"pdserve-{worker.worker_id}-g{worker.generation - 1}",
+            name=name,
             namespace=self.config.namespace,
-            resources={POOL_RESOURCES[worker.role]: 1},
+            resources={POOL_RESOURCES[role]: pool_units},
             num_cpus=0,
             num_gpus=self.config.gpus_per_worker,
             max_concurrency=1000,
             # Keep BLAS/OpenMP pools at the configured size: workers share the cores.
             runtime_env={"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}},
         )
-        spec = self.config.worker_spec(worker.worker_id, worker.role)
-        actor = PrefillWorker if worker.role == "prefill" else DecodeWorker
-        return ray.remote(actor).options(**options).remote(spec)
+        actor = PrefillWorker if role == "prefill" else DecodeWorker
+        return ray.remote(actor).options(**options).remote(*args)
+
+    async def _activate(self, worker: WorkerInfo, handle) -> None:
+        """Make the prestarted process `handle` `worker`'s next generation, and start its
+        replacement later, off the recovery's cores."""
+        worker.generation += 1
+        worker.handle = handle
+        self.prestarted.refill_later(worker.role, self.config.standby_restart_delay_s)
+        await handle.activate.remote(self.config.worker_spec(worker.worker_id, worker.role))
 
     async def _first_health(self, worker: WorkerInfo, restarted: bool = False) -> None:
         worker.load = await worker.handle.check_health.remote()
@@ -135,6 +161,7 @@ class Controller:
     async def shutdown(self) -> None:
         if self.watch_task is not None:
             self.watch_task.cancel()
+        self.prestarted.shutdown()
         for task in [*self.restart_tasks.values(), *self.death_watches.values()]:
             task.cancel()
         for worker in self.workers.values():
@@ -238,11 +265,9 @@ class Controller:
                 ray.kill(worker.handle, no_restart=True)
             worker.restarts += 1
             worker.recent_restarts += 1
-            worker.handle = self._spawn(worker)
             try:
                 await asyncio.wait_for(
-                    self._first_health(worker, restarted=True),
-                    timeout=self.config.recovery_timeout_s * 4,
+                    self._next_generation(worker), timeout=self.config.recovery_timeout_s * 4
                 )
             except Exception as exc:
                 logger.warning(
@@ -260,6 +285,16 @@ class Controller:
         logger.error(
             "worker %s stays dead: %d restarts used", worker.worker_id, worker.recent_restarts
         )
+
+    async def _next_generation(self, worker: WorkerInfo) -> None:
+        """Start `worker` again, in a prestarted process when one waits, and wait for its
+        first health call."""
+        prestarted = self.prestarted.take(worker.role)
+        if prestarted is not None:
+            await self._activate(worker, prestarted)
+        else:
+            worker.handle = self._spawn(worker)
+        await self._first_health(worker, restarted=True)
 
     def _at_strength(self, role: str) -> bool:
         routed = [w for w in self.workers.values() if w.role == role and w.alive and not w.standby]

@@ -196,7 +196,11 @@ class OpenAIHandler:
                     **states.get(worker.worker_id, {}),
                 }
             )
-        return {"workers": rows, "frontend_pid": os.getpid()}
+        return {
+            "workers": rows,
+            "prestarted": self.cluster.controller.prestarted.counts(),
+            "frontend_pid": os.getpid(),
+        }
 
     def authorize(self, request: Request) -> None:
         key = self.settings.api_key

@@ -45,6 +45,8 @@ class WorkerCollector:
         for role, count in sorted(alive.items()):
             families.alive.add_metric([role], count)
             families.standby.add_metric([role], standby[role])
+        for role, count in sorted(self.controller.prestarted.counts().items()):
+            families.prestarted.add_metric([role], count)
         families.transport.add_metric([str(self.controller.config.transport)], 1)
         yield from families.all()
 
@@ -58,6 +60,11 @@ class _Families:
         )
         self.standby = GaugeMetricFamily(
             "pdserve_workers_standby", "Warm spares per role, ready to take over", labels=["role"]
+        )
+        self.prestarted = GaugeMetricFamily(
+            "pdserve_workers_prestarted",
+            "Prestarted worker processes per role, waiting for a restart to take them",
+            labels=["role"],
         )
         self.restarts = CounterMetricFamily(
             "pdserve_worker_restarts", "Times each worker was restarted", labels=WORKER

@@ -59,8 +59,7 @@ _LEASE_LOST = "unknown_request"
 class DecodeWorker(EngineActor):
     """Instantiated as a named Ray actor by the controller; also the colocated worker."""
 
-    def __init__(self, spec: WorkerSpec):
-        timer = StartupTimer()
+    def _build(self, spec: WorkerSpec, timer: StartupTimer) -> None:
         self.spec = spec
         self.worker_id = spec.worker_id
         self.role = spec.role
@@ -285,6 +284,9 @@ class DecodeWorker(EngineActor):
         return await self._engine_loop().call(engine_state)
 
     async def shutdown(self) -> None:
+        if self.spec is None:  # a prestarted process: nothing built
+            self._stop_engine()
+            return
         for channel in self.channels.values():
             channel.close()
         self._stop_engine()

@@ -1,6 +1,7 @@
-"""What the prefill and the decode actor share: the engine loop they run their engine
-on, and the calls the cluster makes on any worker (abort, step traces, the death
-watch, the start of shutdown). Each worker adds its role's calls and its transport.
+"""What the prefill and the decode actor share: how a worker is built (at once, or later
+on a prestarted process), the engine loop it runs its engine on, and the calls the
+cluster makes on any worker (abort, step traces, the death watch, the start of
+shutdown). Each worker adds its role's calls and its transport.
 """
 
 from __future__ import annotations
@@ -9,16 +10,42 @@ import asyncio
 
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
-from engine.worker_health import step_trace
+from engine.worker_health import StartupTimer, step_trace
+from engine.worker_spec import WorkerSpec
 
 
 class EngineActor:
-    """Base of `PrefillWorker` and `DecodeWorker` (both Ray actors). A subclass sets
-    `engine` in its constructor and may override `_make_loop` to hook the loop."""
+    """Base of `PrefillWorker` and `DecodeWorker` (both Ray actors). A subclass builds its
+    engine and transport in `_build` and may override `_make_loop` to hook the loop."""
 
+    spec: WorkerSpec | None = None
     engine: LLMEngine
     loop: EngineLoop | None = None
     stopped: asyncio.Event | None = None
+
+    def __init__(self, spec: WorkerSpec | None = None, transport: str | None = None):
+        """`spec` None makes a prestarted process (cluster/prestarted.py): Ray's worker,
+        Python and every import, `transport`'s module included, are up, but nothing is
+        built until `activate`."""
+        if spec is not None:
+            self._build(spec, StartupTimer())
+        elif transport is not None:
+            from kv_transfer.registry import preload
+
+            preload(transport)
+
+    def _build(self, spec: WorkerSpec, timer: StartupTimer) -> None:
+        """Build the engine and the transport for `spec`, lapping `timer` after each."""
+        raise NotImplementedError
+
+    async def activate(self, spec: WorkerSpec) -> dict[str, float]:
+        """Called once by the controller on a prestarted process, when a restart takes it
+        to be `spec.worker_id`'s next generation; returns its startup durations. The
+        build runs on the event loop: nothing else reaches a process before this."""
+        if self.spec is not None:
+            raise RuntimeError(f"already activated as {self.spec.worker_id}")
+        self._build(spec, StartupTimer(prestarted=True))
+        return self.startup
 
     def _make_loop(self) -> EngineLoop:
         return EngineLoop(self.engine)

@@ -64,12 +64,15 @@ def engine_state(engine: LLMEngine) -> dict:
 
 
 class StartupTimer:
-    """Times a worker's constructor, step by step, from its process's start."""
+    """Times a worker's build, step by step: from its process's start (`process_s`), or,
+    on a prestarted process that a restart took, from its activation, noting how long
+    the process had waited ready (`prestarted_s`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, prestarted: bool = False) -> None:
         import psutil
 
-        self.durations = {"process_s": time.time() - psutil.Process().create_time()}
+        age = time.time() - psutil.Process().create_time()
+        self.durations = {"prestarted_s" if prestarted else "process_s": age}
         self._last = time.monotonic()
 
     def lap(self, name: str) -> None:

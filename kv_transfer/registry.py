@@ -31,11 +31,20 @@ CROSS_PROCESS_TRANSPORTS = frozenset(TRANSPORTS) - {"local"}
 reaches only a sender in the receiver's own process."""
 
 
-def _lookup(name: str, index: int):
+def preload(name: str) -> None:
+    """Import transport `name`'s module now (a prestarted worker process, ahead of the
+    activation that will make its sender or receiver)."""
+    _module(name)
+
+
+def _module(name: str):
     if name not in TRANSPORTS:
         raise ValueError(f"unknown KV transport {name!r}; choose one of {sorted(TRANSPORTS)}")
-    module = importlib.import_module(TRANSPORTS[name][0])
-    return getattr(module, TRANSPORTS[name][index])
+    return importlib.import_module(TRANSPORTS[name][0])
+
+
+def _lookup(name: str, index: int):
+    return getattr(_module(name), TRANSPORTS[name][index])
 
 
 def make_sender(

@@ -53,10 +53,9 @@ class _Exported:
 class PrefillWorker(EngineActor):
     """Instantiated as a named Ray actor by the controller (one per prefill slot)."""
 
-    def __init__(self, spec: WorkerSpec):
+    def _build(self, spec: WorkerSpec, timer: StartupTimer) -> None:
         from kv_transfer.registry import make_sender
 
-        timer = StartupTimer()
         self.spec = spec
         self.worker_id = spec.worker_id
         self.engine = LLMEngine(spec.engine)
@@ -210,4 +209,5 @@ class PrefillWorker(EngineActor):
 
     async def shutdown(self) -> None:
         self._stop_engine()
-        self.sender.close()
+        if self.spec is not None:
+            self.sender.close()

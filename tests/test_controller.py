@@ -1,12 +1,15 @@
 """The controller's decisions about dead, restarted and spare workers, against fake
-actor handles (no Ray): stale failures, the restart budget, standby take-over."""
+actor handles (no Ray): stale failures, the restart budget, standby take-over, restarts
+into prestarted processes."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
-from cluster.config import ClusterConfig
+import pytest
+
+from cluster.config import ClusterConfig, ConfigError
 from cluster.controller import Controller
 from cluster.router import Router, WorkerInfo
 from engine.worker_messages import HealthReport
@@ -105,3 +108,50 @@ def test_only_a_crash_loop_uses_up_the_restart_budget():
         assert young.recent_restarts == 2
 
     asyncio.run(main())
+
+
+class FakeProcess(FakeHandle):
+    """A prestarted process: `activate(spec)` builds it as `spec.worker_id`."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.activated_as = None
+        self.activate = self
+
+    def remote(self, spec=None):
+        if spec is not None:
+            self.activated_as = spec.worker_id
+        return super().remote()
+
+
+def test_a_restart_takes_a_prestarted_process_and_replaces_it_later():
+    async def main():
+        worker = WorkerInfo("decode-0", "decode", handle=None, generation=1)
+        controller = controller_with(
+            worker, decode_workers=1, prestarted_workers=1, standby_restart_delay_s=0.05
+        )
+        started: list[FakeProcess] = []
+
+        def start_process(role: str, name: str) -> FakeProcess:
+            started.append(FakeProcess(name))
+            return started[-1]
+
+        controller.prestarted._start_process = start_process
+        controller._spawn = lambda w: pytest.fail("a new process was started, not taken")
+        controller.prestarted.fill("decode")
+        assert controller.prestarted.counts() == {"decode": 1}
+        waiting = started[0]
+        controller.mark_dead(worker, "killed", generation=1)
+        await controller._next_generation(worker)
+        assert worker.handle is waiting and waiting.activated_as == "decode-0"
+        assert worker.generation == 2 and worker.alive
+        assert controller.prestarted.counts() == {"decode": 0}  # not refilled at once
+        await asyncio.sleep(0.2)
+        assert controller.prestarted.counts() == {"decode": 1} and len(started) == 2
+
+    asyncio.run(main())
+
+
+def test_prestarted_processes_are_for_cpu_pools_only():
+    with pytest.raises(ConfigError, match="standby_workers"):
+        ClusterConfig(prestarted_workers=1, gpus_per_worker=1)

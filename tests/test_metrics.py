@@ -110,7 +110,9 @@ def test_gpu_series_absent_without_nvml_and_present_with_a_report():
         worker_id="decode-0", role="decode", alive=True, standby=False, restarts=2, load=None
     )
     controller = SimpleNamespace(
-        workers={"decode-0": worker}, config=SimpleNamespace(transport="auto")
+        workers={"decode-0": worker},
+        config=SimpleNamespace(transport="auto"),
+        prestarted=SimpleNamespace(counts=lambda: {"decode": 1}),
     )
     metrics = ClusterMetrics(controller)
     worker.load = HealthReport(
@@ -132,6 +134,7 @@ def test_gpu_series_absent_without_nvml_and_present_with_a_report():
     text = metrics.render().decode()
     assert value(text, "pdserve_gpu_memory_total_bytes", worker="decode-0") == 9
     assert value(text, "pdserve_worker_restarts_total", worker="decode-0") == 2
+    assert value(text, "pdserve_workers_prestarted", role="decode") == 1
 
 
 # --- a live server and a known set of requests --------------------------------------

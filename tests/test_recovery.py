@@ -148,7 +148,8 @@ async def back_at_strength(cluster, timeout_s: float = 60.0) -> None:
 @pytest.mark.parametrize("transport", ["shm", "collective", "grpc"])
 def test_kills_that_hit_lose_nothing(tiny_llama_dir, steady_expected, transport, monkeypatch):
     """A decode worker, then a prefill worker, each killed while every worker holds a
-    request; each time every stream ends with exactly the reference tokens."""
+    request; each time every stream ends with exactly the reference tokens. Over shm the
+    cluster keeps a prestarted process per role, and each restart is built in one."""
     monkeypatch.setenv("PDSERVE_STEP_DELAY_S", "0.03")  # inherited by the Ray workers
     # The second round resends the first round's prompts: with the prefix cache they
     # would prefill from cache in an instant and the prefill kill would find no work.
@@ -158,6 +159,7 @@ def test_kills_that_hit_lose_nothing(tiny_llama_dir, steady_expected, transport,
         prefill_workers=2,
         decode_workers=2,
         prefix_caching=False,
+        prestarted_workers=1 if transport == "shm" else 0,
     )
 
     async def collect(cluster, prompt):
@@ -174,7 +176,8 @@ def test_kills_that_hit_lose_nothing(tiny_llama_dir, steady_expected, transport,
         held, working = await strike_when_all_hold(cluster, victim)
         results = await asyncio.wait_for(asyncio.gather(*first, *second), timeout=240)
         await back_at_strength(cluster)
-        return held, working, results
+        restarted = await cluster.controller.workers[victim].handle.check_health.remote()
+        return held, working, results, restarted.startup
 
     async def main():
         cluster = await PDCluster(config).start()
@@ -185,8 +188,9 @@ def test_kills_that_hit_lose_nothing(tiny_llama_dir, steady_expected, transport,
         finally:
             await cluster.shutdown()
 
-    for role, (held, working, results) in asyncio.run(main()).items():
+    for role, (held, working, results, startup) in asyncio.run(main()).items():
         assert held > 0, f"the {role} kill hit an idle worker"
+        assert ("prestarted_s" in startup) == (transport == "shm"), startup
         assert [tokens for tokens, _ in results] == steady_expected, role
         # A prefill worker that held only a lease (its prompt already exported) fails the
         # transfer instead of the prefill call: that request recovers by recomputing.
