@@ -2,6 +2,8 @@
 
 Phases:
   1. reference: each distinct prompt once, greedy, with no faults -> expected text;
+     then the load of phase 2 once with no kill -> each request's uninterrupted time
+     (not with `--duration`);
   2. load: streaming requests while worker processes are killed (SIGKILL or SIGTERM)
      at the chosen times. Each victim is the worker of the asked role holding the most
      requests right then; a kill with no loaded victim is a miss, never a kill. When
@@ -144,18 +146,22 @@ async def run_drill(args) -> DrillReport:
     kills: list[KillEvent] = []
     watchers: list[asyncio.Task] = []
     soak_summary = {}
+    baseline = None
     spec = replace(spec, cold_cache=args.cold_cache)  # the reference pass shared the cache
     if args.duration:
         from bench.soak import run_soak
 
         records, soak_summary = await run_soak(admin, spec, args, kills, watchers)
     else:
-        records = await _load_with_kills(
-            admin, replace(spec, prompts=prompts), args, kills, watchers
-        )
+        load = replace(spec, prompts=prompts)
+        # What each request of the kill pass takes with no kill (verdict's `baseline`).
+        baseline = await run_load(load)
+        records = await _load_with_kills(admin, load, args, kills, watchers)
     await _settle(kills, watchers, args.recovery_timeout)
     blocks, leases = await _leaks(admin, timeout_s=args.recovery_timeout)
-    report = verdict(records, reference, kills, blocks, leases, open_loop=bool(args.duration))
+    report = verdict(
+        records, reference, kills, blocks, leases, baseline, open_loop=bool(args.duration)
+    )
     report.kills_planned = len(kill_times(args))
     report.soak = soak_summary
     return report
@@ -276,8 +282,10 @@ async def _watch_kill(admin: Admin, kill: KillEvent) -> None:
     or the restart), and the victim itself is back as a new process."""
     while kill.recovered_after_s is None or kill.full_strength_after_s is None:
         await asyncio.sleep(_POLL_S)
-        workers = await admin.workers()
+        # The liveness in the answer is read as the call arrives; the call itself may
+        # take seconds while busy workers finish their steps.
         elapsed = time.perf_counter() - kill.killed_at
+        workers = await admin.workers()
         me = next(w for w in workers if w["worker_id"] == kill.worker_id)
         if kill.detected_after_s is None and not me["alive"]:
             kill.detected_after_s = max(0.0, elapsed - (me.get("dead_for_s") or 0.0))

@@ -102,24 +102,29 @@ def verdict(
     kills: list[KillEvent],
     blocks: dict[str, int],
     leases: dict[str, int],
+    baseline: list[RequestRecord] | None = None,
     open_loop: bool = False,
 ) -> DrillReport:
-    """`open_loop`: a soak, whose load (a fixed rate) is not the reference pass's (all
-    prompts at the concurrency cap): affected requests are then timed against the same
-    prompt's unaffected requests of the soak itself."""
+    """`reference`: prompt -> its greedy run, the expected text. Extra latency is each
+    affected request against the same request uninterrupted: `baseline` is the kill
+    pass's load run once more with no kill, and a request is timed against the one in
+    its place there (same prompt, same place in the load, same cache state: a long
+    prompt's time is mostly its place in the prefill queue). `open_loop`: a soak, whose
+    load is a fixed rate, not a replayable pass; affected requests are timed against
+    the same prompt's unaffected requests of the soak itself."""
     done = [r for r in records if r.ok]
     affected = [r for r in done if r.server_timings.get("recoveries")]
-    # Extra latency: each affected request against the same prompt's uninterrupted run
-    # under the same load, not against other prompts.
-    key = _prompt_key
     if open_loop:
         touched = {id(r) for r in affected}
-        baseline = _median_e2e_by_prompt([r for r in done if id(r) not in touched])
+        by_prompt = _median_e2e_by_prompt([r for r in done if id(r) not in touched])
+        uninterrupted = {id(r): by_prompt.get(_prompt_key(r)) for r in affected}
     else:
-        baseline = {prompt: ref.e2e_s for prompt, ref in reference.items()}
-    extra = [r.e2e_s - baseline[key(r)] for r in affected if key(r) in baseline]
+        by_place = {r.index: r.e2e_s for r in baseline or [] if r.ok}
+        uninterrupted = {id(r): by_place.get(r.index) for r in affected}
+    extra = [r.e2e_s - uninterrupted[id(r)] for r in affected if uninterrupted[id(r)] is not None]
     kill_times = [k.killed_at for k in kills if k.hit]
-    details = [_affected(r, baseline.get(key(r)), kill_times) for r in affected]
+    details = [_affected(r, uninterrupted[id(r)], kill_times) for r in affected]
+    key = _prompt_key
     expected = {prompt: ref.text for prompt, ref in reference.items()}
     wrong = [r for r in done if r.text != expected.get(key(r))]
     gaps = resume_gaps(affected, kill_times)

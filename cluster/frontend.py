@@ -176,26 +176,15 @@ class OpenAIHandler:
 
     async def workers(self) -> dict:
         """Drills and operators: every worker's liveness, process, restarts, KV held, and
-        how each decode worker's last import from each prefill worker arrived."""
-        states = await self.cluster.controller.debug_states()
-        rows = []
-        for worker in self.cluster.controller.workers.values():
-            load = worker.load
-            rows.append(
-                {
-                    "worker_id": worker.worker_id,
-                    "role": worker.role,
-                    "alive": worker.alive,
-                    "standby": worker.standby,
-                    "generation": worker.generation,
-                    "restarts": worker.restarts,
-                    "dead_for_s": _since(worker.dead_since),
-                    "pid": load.pid if load else None,
-                    "node_id": load.node_id if load else None,
-                    "last_transfer": load.last_transfer if load else {},
-                    **states.get(worker.worker_id, {}),
-                }
-            )
+        how each decode worker's last import from each prefill worker arrived. Liveness is
+        read when the call arrives, before the workers' states are gathered (a busy
+        engine thread answers after its step, seconds under load): a drill times it
+        against the moment it asked."""
+        controller = self.cluster.controller
+        rows = [_liveness(worker) for worker in controller.workers.values()]
+        states = await controller.debug_states()
+        for row in rows:
+            row.update(states.get(row["worker_id"], {}))
         return {
             "workers": rows,
             "prestarted": self.cluster.controller.prestarted.counts(),
@@ -482,6 +471,23 @@ class OwnedStreamingResponse(StreamingResponse):
             self.on_close()
             with contextlib.suppress(Exception):
                 await self.body_iterator.aclose()
+
+
+def _liveness(worker) -> dict:
+    """One `/admin/workers` row's view of a worker from the controller's own records."""
+    load = worker.load
+    return {
+        "worker_id": worker.worker_id,
+        "role": worker.role,
+        "alive": worker.alive,
+        "standby": worker.standby,
+        "generation": worker.generation,
+        "restarts": worker.restarts,
+        "dead_for_s": _since(worker.dead_since),
+        "pid": load.pid if load else None,
+        "node_id": load.node_id if load else None,
+        "last_transfer": load.last_transfer if load else {},
+    }
 
 
 def _since(stamp: float | None) -> float | None:

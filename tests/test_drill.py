@@ -201,6 +201,32 @@ def test_the_report_compares_resume_gaps_by_recovery_path():
     assert report.resume_gap_by_path == {"recompute": 0.65, "reprefill": 2.0}
 
 
+def test_extra_latency_is_against_the_same_place_in_the_uninterrupted_pass():
+    """One prompt at two places in the load: each affected request is timed against the
+    request at its own place in the pass with no kill (its place in the queues), not
+    against the prompt's run in the reference pass."""
+    from bench.drill_report import verdict
+    from bench.loadgen import RequestRecord
+
+    def run(index: int, e2e: float, affected: bool = False) -> RequestRecord:
+        timings = {"recoveries": ["decode_died"], "recovery_paths": ["recompute"]}
+        return RequestRecord(
+            index,
+            prompt="p",
+            ok=True,
+            text="t",
+            end=e2e,
+            server_timings=timings if affected else {},
+        )
+
+    reference = {"p": run(0, 0.5)}
+    baseline = [run(0, 1.0), run(1, 4.0)]
+    report = verdict([run(0, 1.5, True), run(1, 4.2, True)], reference, [], {}, {}, baseline)
+    assert [a["baseline_s"] for a in report.affected_requests] == [1.0, 4.0]
+    assert [a["extra_s"] for a in report.affected_requests] == [0.5, 0.2]
+    assert report.extra_latency_p50_s == pytest.approx(0.35)
+
+
 def test_a_sequence_in_its_last_step_is_not_counted_as_held():
     """It finishes before the signal lands: a kill that 'hit' three of them recovered
     nothing and the drill failed."""
