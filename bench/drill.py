@@ -290,14 +290,17 @@ async def _watch_kill(admin: Admin, kill: KillEvent) -> None:
         if kill.detected_after_s is None and not me["alive"]:
             kill.detected_after_s = max(0.0, elapsed - (me.get("dead_for_s") or 0.0))
         back = me["alive"] and me.get("pid") != kill.pid
+        # When the victim came back, to the moment (a look may come a second later).
+        back_after = elapsed - (me.get("alive_for_s") or 0.0) if back else None
         if kill.detected_after_s is None and back:
-            kill.detected_after_s = elapsed  # died and came back between two looks
+            kill.detected_after_s = back_after  # died and came back between two looks
         noticed = kill.detected_after_s is not None
         at_strength = _routed(workers, kill.role) >= kill.strength_before
         if kill.full_strength_after_s is None and noticed and at_strength:
-            kill.full_strength_after_s = elapsed
+            # Its own return, or the first look that saw a spare in its place.
+            kill.full_strength_after_s = elapsed if back_after is None else back_after
         if kill.recovered_after_s is None and back:
-            kill.recovered_after_s = elapsed
+            kill.recovered_after_s = back_after
 
 
 async def _settle(kills: list[KillEvent], watchers: list[asyncio.Task], timeout_s: float):
