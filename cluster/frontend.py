@@ -187,7 +187,7 @@ class OpenAIHandler:
             row.update(states.get(row["worker_id"], {}))
         return {
             "workers": rows,
-            "prestarted": self.cluster.controller.prestarted.counts(),
+            "prestarted": controller.prestarted.counts(),
             "frontend_pid": os.getpid(),
         }
 
