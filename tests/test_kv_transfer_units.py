@@ -207,7 +207,9 @@ stripe, the 1 KiB block and the tail re-read from the end."""
 def test_native_copy_hash_equals_the_xxhash_package_at_every_length_class():
     """engine/native/checksum.c: XXH3-64 of whole blocks, with or without their copy,
     equals the xxhash package's digest (senders hash with the package), the copy is
-    exact, and a block within the 240-byte short path is refused."""
+    exact (into a 64-byte aligned destination, where blocks of whole stripes are
+    streamed around the cache, and into an unaligned one), and a block within the
+    240-byte short path is refused."""
     import xxhash
 
     from engine.native.ops import native_kernels
@@ -216,10 +218,13 @@ def test_native_copy_hash_equals_the_xxhash_package_at_every_length_class():
     if kernels is None:
         pytest.skip("no C compiler: the receiver hashes in Python")
     rng = np.random.default_rng(7)
-    for length in [*XXH3_LENGTHS, *range(241, 1300, 17)]:
+    lengths = [*XXH3_LENGTHS, *range(241, 1300, 17), 64 * 5, 1024 * 3]
+    for length, dst_offset in itertools.product(lengths, [0, 8]):
         count = 3
         src = rng.integers(0, 256, count * length + 5, dtype=np.uint8)[5:]  # unaligned
-        dst = np.zeros(count * length, dtype=np.uint8)
+        space = np.zeros(count * length + 128, dtype=np.uint8)
+        start = -space.ctypes.data % 64 + dst_offset
+        dst = space[start : start + count * length]
         copied, hashed = np.zeros(count, np.uint64), np.zeros(count, np.uint64)
         assert (
             kernels.copy_xxh3_blocks(
@@ -233,8 +238,9 @@ def test_native_copy_hash_equals_the_xxhash_package_at_every_length_class():
         expected = [
             xxhash.xxh3_64_intdigest(src[i * length : (i + 1) * length]) for i in range(count)
         ]
-        assert copied.tolist() == expected == hashed.tolist(), length
+        assert copied.tolist() == expected == hashed.tolist(), (length, dst_offset)
         assert np.array_equal(dst, src)
+        assert not space[:start].any() and not space[start + count * length :].any()
     out = np.zeros(1, np.uint64)
     assert kernels.copy_xxh3_blocks(src.ctypes.data, None, 240, 1, out.ctypes.data) == -1
 
