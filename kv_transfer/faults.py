@@ -41,6 +41,11 @@ class FaultPlan:
         armed = self.mode != "none" and random.random() < options.probability
         self._at = int(total_bytes * options.after_fraction) if armed else None
 
+    @property
+    def armed(self) -> bool:
+        """Whether a fault is still to strike in this transfer."""
+        return self._at is not None
+
     def hit(self, piece_offset: int, piece_nbytes: int) -> bool:
         """Called before moving a piece; True means corrupt this piece."""
         if self._at is None or piece_offset + piece_nbytes < self._at:

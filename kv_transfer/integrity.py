@@ -111,6 +111,7 @@ class BlockVerifier:
         dst_block_ids: list[int],
         ticket: ExportTicket,
         flat: np.ndarray | None = None,
+        block_nbytes: int | None = None,
     ):
         if len(ticket.checksums) != len(dst_block_ids):
             raise KVTransferError(
@@ -122,13 +123,17 @@ class BlockVerifier:
         self.kv = kv
         # CPU pools: one numpy view of the pool, sliced per block (torch indexing per
         # block costs as much as summing a small block).
-        # `flat`: that view made once by the caller (it costs as much as a small fetch).
+        # `flat`: that view made once by the caller (it costs as much as a small fetch);
+        # `block_nbytes`: the caller's layout's, where it has one (torch's shape calls
+        # cost tens of microseconds on a fetch's cold cache).
         if flat is None and kv.device.type == "cpu":
             flat = flat_bytes(kv).numpy()
         self.flat = flat
         self.dst = dst_block_ids
         self.ticket = ticket
-        self.block_nbytes = math.prod(kv.shape[1:]) * kv.element_size() if len(kv) else 1
+        if block_nbytes is None:
+            block_nbytes = math.prod(kv.shape[1:]) * kv.element_size() if len(kv) else 1
+        self.block_nbytes = block_nbytes
         self.done = 0  # stream positions up to here are verified
         self.checked = [False] * len(dst_block_ids)
         self.bad: list[int] = []

@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from kv_transfer.base import FailureReason, TransferState
 from kv_transfer.stats import SenderStats, bump
@@ -45,6 +46,21 @@ class ExportRecord:
     receiver that dies can pull them again)."""
 
 
+class ExportListener(Protocol):
+    """Mirrors the registry elsewhere (the `shm` transport's shared-memory table). Called
+    under the registry's lock, so it sees each export's changes in their order."""
+
+    def published(self, record: ExportRecord) -> None:
+        """A new export pins `record.block_ids` until `record.lease_expires_at`."""
+
+    def extended(self, record: ExportRecord) -> None:
+        """The export's lease now ends at `record.lease_expires_at`."""
+
+    def withdrawn(self, record: ExportRecord) -> int:
+        """The export is released (its blocks are not yet reused); returns the bytes of it
+        that receivers moved without a `begin_transfer` (counted as served here)."""
+
+
 class ExportRegistry:
     """Thread-safe table of exports; transports' server threads and the worker share it."""
 
@@ -55,12 +71,18 @@ class ExportRegistry:
         self._released: list[list[int]] = []
         self._stats = SenderStats()
         self._lock = threading.Lock()
+        self._listeners: list[ExportListener] = []
         self._stop = threading.Event()
         interval = reap_interval_s or min(max(lease_ttl_s / 4, 0.01), 1.0)
         self._reaper = threading.Thread(
             target=self._reap_loop, args=(interval,), name=f"kv-lease-reaper-{owner}", daemon=True
         )
         self._reaper.start()
+
+    def listen(self, listener: ExportListener) -> None:
+        """Called by a transport server at sender start, before any export."""
+        with self._lock:
+            self._listeners.append(listener)
 
     # --- called by the worker (through KVSender) -----------------------------------
 
@@ -83,6 +105,8 @@ class ExportRegistry:
             )
             self._records[request_id] = record
             self._stats.exports += 1
+            for listener in self._listeners:
+                listener.published(record)
             return replace(record)
 
     def ack(self, request_id: str) -> bool:
@@ -114,7 +138,7 @@ class ExportRegistry:
             record = self._records.get(request_id)
             if record is None:
                 return False
-            record.lease_expires_at = time.monotonic() + self.lease_ttl_s
+            self._extend(record)
             self._stats.heartbeats += 1
             return True
 
@@ -125,7 +149,7 @@ class ExportRegistry:
             if record is None:
                 return None
             record.state = TransferState.TRANSFERRING
-            record.lease_expires_at = time.monotonic() + self.lease_ttl_s
+            self._extend(record)
             return replace(record)
 
     def end_transfer(
@@ -181,12 +205,21 @@ class ExportRegistry:
         while not self._stop.wait(interval):
             self.reap()
 
+    def _extend(self, record: ExportRecord) -> None:
+        record.lease_expires_at = time.monotonic() + self.lease_ttl_s
+        for listener in self._listeners:
+            listener.extended(record)
+
     def _release(self, request_id: str, final: TransferState) -> ExportRecord | None:
         with self._lock:
             record = self._records.pop(request_id, None)
             if record is None:
                 return None
             record.state = final
+            copied = sum(listener.withdrawn(record) for listener in self._listeners)
+            if copied and not record.served:
+                self._stats.transfers_served += 1
+                self._stats.bytes_sent += copied
             self._released.append(record.block_ids)
             if final == TransferState.DONE:
                 self._stats.acks += 1

@@ -70,6 +70,7 @@ class TransportReceiver(KVReceiver):
         self._lock = threading.Lock()
         self._bytes_of: torch.Tensor | None = None
         self._bytes = None
+        self._block_nbytes = pool.layout.block_nbytes
 
     @abstractmethod
     def _pull(
@@ -104,7 +105,9 @@ class TransportReceiver(KVReceiver):
                     ticket.sender_id,
                     FailureReason.INTERNAL,
                 )
-            verifier = BlockVerifier(self.pool.kv, dst_block_ids, ticket, self._pool_bytes())
+            verifier = BlockVerifier(
+                self.pool.kv, dst_block_ids, ticket, self._pool_bytes(), self._block_nbytes
+            )
             result.transport = self._pull(ticket, dst_block_ids, start + timeout_s, verifier)
             verifier.finish()
             result.state = TransferState.DONE

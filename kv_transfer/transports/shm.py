@@ -1,27 +1,32 @@
 """`shm`: same-node transfer through the sender's KV pool living in shared memory.
 
-At start the sender re-homes its pool in a file under `shm_dir` (/dev/shm) and starts
-a control server. Per transfer the receiver:
+At start the sender re-homes its pool in a file under `shm_dir` (/dev/shm), creates its
+export table next to it (`shm_table.py`: which export holds which block, until when)
+and starts a control server. Per transfer the receiver:
 
     1. maps the sender's pool file (once per sender generation, kept),
-    2. sends `begin` on a kept control connection without waiting: the sender
-       extends the lease and counts the transfer served (granting access is all of
-       its part), or says the export is gone,
+    2. the first time (per sender generation), sends `begin` on a control connection
+       and waits for the reply: the sender checks the cluster token, extends the
+       lease and counts the transfer served, or says the export is gone; the reply
+       authorizes mapping the sender's export table. After that it sends nothing:
+       the table says whether the export still holds the blocks and how long its
+       lease runs (less than a third left: one heartbeat first),
     3. copies the blocks itself on `copy_lanes` threads (no socket in the data path),
-       checksumming each block in L2-sized steps right behind their copies,
-       heartbeating if pacing makes the copy outlast a third of the lease,
-    4. reads the `begin` reply, which has long arrived: one control message per
-       transfer, its round trip hidden behind the copy.
+       each block copied and checksummed in one pass, heartbeating if pacing makes
+       the copy outlast a third of the lease,
+    4. checks the table again (or reads the `begin` reply, which has long arrived): an
+       export released during the copy fails the fetch UNKNOWN_REQUEST, as a refused
+       `begin` does, before the checksums are looked at.
 
-Checksums catch any block the sender reused under us (a refused `begin` wins over
-them: the fetch fails UNKNOWN_REQUEST). A dead sender's export is not lost: its pool
-file outlives it in the receiver's mapping (and in /dev/shm until a restarted worker
-on the node clears it), nothing writes those blocks any more, so the receiver copies
-them without a `begin` and the checksums decide; a fetch fails PEER_DIED only when the
-file is gone too. Each sender generation's file is mapped once and unmapped when the
-sender is seen restarted (a new file). Faults: drop/stall/kill strike in the sender's
-`begin` handler; corrupt strikes in the receiver's copy (the sender never touches
-these bytes).
+Checksums catch any block the sender reused under us. A dead sender's export is not
+lost: its pool file outlives it in the receiver's mapping (and in /dev/shm until a
+restarted worker on the node clears it), nothing writes those blocks any more, so the
+receiver copies them without a `begin` and the checksums decide; a fetch fails
+PEER_DIED only when the file is gone too. Each sender generation's files are mapped
+once and unmapped when the sender is seen restarted (new files). Faults: drop/stall/
+kill strike in the sender's `begin` handler, so a sender configured with one publishes
+no table and every fetch sends `begin`; corrupt strikes in the receiver's copy (the
+sender never touches these bytes).
 """
 
 from __future__ import annotations
@@ -61,10 +66,16 @@ from kv_transfer.integrity import BlockVerifier
 from kv_transfer.receiver import TransportReceiver, fail, remaining
 from kv_transfer.sender import RegistrySender
 from kv_transfer.shaping import Shaper
+from kv_transfer.transports.shm_table import ExportTable, export_tag
 
 logger = logging.getLogger(__name__)
 
 FILE_PREFIX = "pdserve-kv-"
+POOL_SUFFIX = ".kv"
+TABLE_SUFFIX = ".leases"
+SENDER_FAULTS = ("drop", "stall", "kill")
+"""Fault modes that strike in the sender's `begin` handler: a sender configured with one
+publishes no export table, so that every fetch sends `begin`."""
 PIECE_BYTES = 1 << 20
 """Most bytes a copy lane moves between two deadline / cancellation checks."""
 
@@ -86,8 +97,8 @@ def _pid_alive(pid: int) -> bool:
 
 def remove_stale_files(shm_dir: str) -> None:
     """Delete pool files of senders that died without closing (name ends in their pid)."""
-    for path in glob.glob(os.path.join(shm_dir, f"{FILE_PREFIX}*.kv")):
-        if _writer_gone(path):
+    for path in glob.glob(os.path.join(shm_dir, f"{FILE_PREFIX}*")):
+        if path.endswith((POOL_SUFFIX, TABLE_SUFFIX)) and _writer_gone(path):
             _unlink_quietly(path)
 
 
@@ -117,9 +128,9 @@ def _writer_gone(path: str) -> bool:
 
 
 def _file_pid(path: str) -> int:
-    """The pid a pool file's name ends in (`...-<pid>.kv`); -1 when it has none."""
+    """The pid a pool or table file's name ends in (`...-<pid>.kv`); -1 when it has none."""
     try:
-        return int(path.rsplit("-", 1)[1].removesuffix(".kv"))
+        return int(os.path.splitext(path)[0].rsplit("-", 1)[1])
     except (IndexError, ValueError):
         return -1
 
@@ -147,23 +158,31 @@ class ShmServer:
         if pool.kv.device.type != "cpu":
             raise ValueError("the shm transport needs a CPU KV pool; use collective for CUDA")
         self.owns_file = pool.shm_path is None
+        safe_id = "".join(c if c.isalnum() else "_" for c in sender.worker_id)
+        stem = os.path.join(options.shm_dir, f"{FILE_PREFIX}{safe_id}-{os.getpid()}")
         if self.owns_file:
             remove_stale_files(options.shm_dir)
-            safe_id = "".join(c if c.isalnum() else "_" for c in sender.worker_id)
-            path = os.path.join(options.shm_dir, f"{FILE_PREFIX}{safe_id}-{os.getpid()}.kv")
-            pool.move_to_shared_memory(path, keep_contents=False)  # a fresh file: zeros
+            pool.move_to_shared_memory(stem + POOL_SUFFIX, keep_contents=False)  # zeros
         self.path = pool.shm_path
         self.faults: FaultOptions = options.faults
+        self.table_path = stem + TABLE_SUFFIX
+        self.table = ExportTable.create(self.table_path, pool.num_blocks, pool.layout.block_nbytes)
+        sender.registry.listen(self.table)
         self.control = ControlServer(
             options.bind_host, options.token, self._handle, f"kv-shm-{sender.worker_id}"
         )
 
     def endpoint(self) -> dict:
+        pool = self.sender.pool
+        table = None
+        if self.faults.mode not in SENDER_FAULTS:
+            table = {"path": self.table_path, "blocks": pool.num_blocks}
         return {
             "shm": {
                 "path": self.path,
-                "nbytes": self.sender.pool.kv.numel() * self.sender.pool.kv.element_size(),
+                "nbytes": pool.kv.numel() * pool.kv.element_size(),
                 "control": [self.sender.options.dial_host, self.control.port],
+                "table": table,
             }
         }
 
@@ -195,6 +214,7 @@ class ShmServer:
 
     def close(self) -> None:
         self.control.close()
+        _unlink_quietly(self.table_path)  # the mapping stays valid until the process ends
         if self.owns_file and self.path:
             _unlink_quietly(self.path)
 
@@ -211,9 +231,16 @@ class ShmReceiver(TransportReceiver):
         super().__init__("shm", worker_id, pool, options)
         self._maps: dict[str, tuple[str, mmap.mmap, np.ndarray]] = {}
         """sender id -> (pool file, its mapping, the mapping's bytes)."""
+        self._tables: dict[str, tuple[str, ExportTable]] = {}
+        """sender id -> (export table file, its mapping), once the sender accepted us."""
         self._idle: dict[tuple[str, int], list[ControlConnection]] = {}
         self._idle_lock = threading.Lock()
         self.copy_lanes = copy_lanes(options)
+        self._receiver_faults = FaultOptions(  # the sender's faults strike in its `begin`
+            mode="corrupt" if options.faults.mode == "corrupt" else "none",
+            probability=options.faults.probability,
+            after_fraction=options.faults.after_fraction,
+        )
         self._copier = (
             ThreadPoolExecutor(self.copy_lanes - 1, thread_name_prefix="kv-shm-copy")
             if self.copy_lanes > 1
@@ -312,7 +339,12 @@ class ShmReceiver(TransportReceiver):
             raise fail(ticket, FailureReason.INTERNAL, "sender does not serve shm")
         src = self._mapped(ticket)
         try:
-            self._pull_granted(ticket, src, dst_block_ids, deadline, verifier)
+            table = self._table(ticket)
+            if table is None:
+                self._pull_granted(ticket, src, dst_block_ids, deadline, verifier)
+                self._open_table(ticket)
+            else:
+                self._pull_leased(ticket, table, src, dst_block_ids, deadline, verifier)
         except KVTransferError as exc:
             if exc.reason != FailureReason.PEER_DIED or not _sender_exited(ticket, deadline):
                 raise
@@ -325,8 +357,61 @@ class ShmReceiver(TransportReceiver):
                 ticket.sender_id,
             )
             verifier.restart()
-            self._copy(None, ticket, src, dst_block_ids, deadline, verifier, lambda: None)
+            self._copy(ticket, src, dst_block_ids, deadline, verifier, beat=None)
         return "shm"
+
+    def _table(self, ticket: ExportTicket) -> ExportTable | None:
+        """The export table of the ticket's sender generation, once that sender has
+        accepted us (`_open_table`); None before, and for senders that publish none."""
+        info = ticket.sender_endpoint["shm"].get("table")
+        cached = self._tables.get(ticket.sender_id)
+        if info is None or cached is None or cached[0] != info["path"]:
+            return None
+        return cached[1]
+
+    def _open_table(self, ticket: ExportTicket) -> None:
+        """Map the sender's export table after a `begin` it answered (token checked), so
+        that the next fetches from this sender generation read their lease there."""
+        info = ticket.sender_endpoint["shm"].get("table")
+        if info is None or self._table(ticket) is not None:
+            return
+        table = ExportTable.open(info["path"], int(info["blocks"]), self.pool.layout.block_nbytes)
+        if table is None:
+            return
+        # A restarted sender's predecessor is unmapped once no fetch still reads it.
+        self._tables[ticket.sender_id] = (info["path"], table)
+
+    def _pull_leased(self, ticket, table: ExportTable, src, dst_block_ids, deadline, verifier):
+        """The copy with no control message: the export's tags in the sender's table say
+        it still holds the blocks, before the copy and after it (its tags are cleared
+        before its blocks can be reused). A lease with less than a third of its time left
+        is extended first, as a long copy's heartbeats do."""
+        tag = export_tag(ticket.request_id)
+        left = table.lease_left_s(ticket.block_ids, tag)
+        if left is None:
+            raise fail(ticket, FailureReason.UNKNOWN_REQUEST, "export already released")
+        conn: ControlConnection | None = None
+
+        def beat() -> None:
+            nonlocal conn
+            if conn is None:
+                conn = self._checkout(ticket, deadline)
+            self._call(conn, ticket, deadline, {"op": "heartbeat"})
+
+        try:
+            if left < ticket.lease_ttl_s / 3:
+                beat()
+            self._copy(ticket, src, dst_block_ids, deadline, verifier, beat)
+        except BaseException:
+            if conn is not None:
+                conn.close()
+            raise
+        if conn is not None:
+            conn.accepted = True
+            self._checkin(ticket, conn)
+        if not table.holds(ticket.block_ids, tag):
+            raise fail(ticket, FailureReason.UNKNOWN_REQUEST, "export released during the copy")
+        table.mark_copied(ticket.block_ids)
 
     def _pull_granted(self, ticket, src: np.ndarray, dst_block_ids, deadline, verifier) -> None:
         """`begin`, then the copy (overlapping the reply on an accepted connection)."""
@@ -345,10 +430,14 @@ class ShmReceiver(TransportReceiver):
                     self._reply(conn, ticket, deadline, "begin")
                     begun[0] = True
 
+            def beat() -> None:
+                confirm_begin()  # the begin reply comes first on this connection
+                self._call(conn, ticket, deadline, {"op": "heartbeat"})
+
             if not conn.accepted:
                 confirm_begin()
 
-            self._copy(conn, ticket, src, dst_block_ids, deadline, verifier, confirm_begin)
+            self._copy(ticket, src, dst_block_ids, deadline, verifier, beat)
             confirm_begin()
         except BaseException:
             conn.close()
@@ -356,9 +445,10 @@ class ShmReceiver(TransportReceiver):
         conn.accepted = True
         self._checkin(ticket, conn)
 
-    def _copy(
-        self, conn, ticket, src: np.ndarray, dst_block_ids, deadline: float, verifier, confirm
-    ) -> None:
+    def _copy(self, ticket, src: np.ndarray, dst_block_ids, deadline: float, verifier, beat):
+        """Copy the ticket's blocks on the copy lanes, checksummed on the way, calling
+        `beat()` (a lease heartbeat) every third of the lease; None: a dead sender's
+        export, whose lease no heartbeat can extend."""
         shaper = Shaper(self.options.bandwidth_bytes_per_s, self.options.added_latency_s)
         block = self.pool.layout.block_nbytes
         # Pieces of whole blocks, so that the verifier sums each block in L2-sized steps
@@ -366,26 +456,19 @@ class ShmReceiver(TransportReceiver):
         chunk = min(shaper.piece_bytes(self.options.chunk_bytes), PIECE_BYTES)
         chunk = max(block, chunk // block * block)
         pieces = plan_pieces(ticket.block_ids, dst_block_ids, block, chunk)
-        corrupt_only = FaultOptions(
-            mode="corrupt" if self.options.faults.mode == "corrupt" else "none",
-            probability=self.options.faults.probability,
-            after_fraction=self.options.faults.after_fraction,
-        )
-        faults = FaultPlan(corrupt_only, total_bytes(pieces), ticket.request_id)
-        # No connection: the sender is gone, and so is the lease a heartbeat would extend.
-        beat_every = ticket.lease_ttl_s / 3 if conn is not None else float("inf")
+        faults = FaultPlan(self._receiver_faults, total_bytes(pieces), ticket.request_id)
+        beat_every = ticket.lease_ttl_s / 3 if beat is not None else float("inf")
         last_beat = time.monotonic()
 
-        def beat() -> None:
+        def tick() -> None:
             nonlocal last_beat
-            confirm()  # the begin reply comes first on this connection
-            self._call(conn, ticket, deadline, {"op": "heartbeat"})
+            beat()
             last_beat = time.monotonic()
 
         def step(piece) -> bool:
             remaining(deadline, ticket)
             if time.monotonic() - last_beat > beat_every:
-                beat()
+                tick()
             shaper.pace(piece.nbytes)
             return faults.hit(piece.offset, piece.nbytes)
 
@@ -395,7 +478,9 @@ class ShmReceiver(TransportReceiver):
         if self._copier is None or shaper.active or len(pieces) < 2:
             copy_pieces(src, dst, pieces, step, verifier)
         else:
-            corrupt = {i for i, p in enumerate(pieces) if faults.hit(p.offset, p.nbytes)}
+            corrupt = set()
+            if faults.armed:
+                corrupt = {i for i, p in enumerate(pieces) if faults.hit(p.offset, p.nbytes)}
             copy_pieces_parallel(
                 src,
                 dst,
@@ -405,8 +490,8 @@ class ShmReceiver(TransportReceiver):
                 verifier.copy_piece,
                 self._copier,
                 self.copy_lanes,
-                tick=beat if conn is not None else None,
-                tick_s=beat_every if conn is not None else 1.0,
+                tick=tick if beat is not None else None,
+                tick_s=beat_every if beat is not None else 1.0,
             )
         shaper.finish()
 
@@ -443,5 +528,8 @@ class ShmReceiver(TransportReceiver):
             for conn in conns:
                 conn.close()
         self._maps.clear()
+        for _, table in self._tables.values():
+            table.close()
+        self._tables.clear()
         if self._copier is not None:
             self._copier.shutdown(wait=True)
