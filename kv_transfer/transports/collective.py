@@ -172,6 +172,17 @@ class CollectiveServer:
         flat = flat_bytes(self.sender.pool.kv)
         faults = FaultPlan(self.options.faults, total_bytes(pieces), request_id)
         timeout = timedelta(seconds=self.options.timeout_s)
+        # `begin_transfer` just extended the lease; a slow (paced) transfer extends it
+        # again every third of it, not per piece (the registry's lock, per MiB).
+        beat_every = self.options.lease_ttl_s / 3
+        last_beat = time.monotonic()
+
+        def beat() -> None:
+            nonlocal last_beat
+            if time.monotonic() - last_beat >= beat_every:
+                self.sender.heartbeat(request_id)
+                last_beat = time.monotonic()
+
         shaper.start()
         pending = []  # all sends in flight at once: pieces pipeline instead of ping-ponging
         for piece in pieces:
@@ -183,10 +194,10 @@ class CollectiveServer:
             pending.append(group.send([data], RECEIVER_RANK, 0))
             if shaper.active:  # a paced link must not queue ahead of its cap
                 pending.pop().wait(timeout)
-            self.sender.heartbeat(request_id)
+            beat()
         for work in pending:
             work.wait(timeout)
-            self.sender.heartbeat(request_id)
+            beat()
         shaper.finish()
 
     def close(self) -> None:
