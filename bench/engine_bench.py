@@ -60,6 +60,10 @@ class EngineBenchResult:
     """Weights streamed per step / read bandwidth: the floor of a batch-1 step."""
     weight_roofline_ratio: float = 0.0
     """Median over the batch-1 runs of step / weight roofline at that run's bandwidth."""
+    paired_roofline_ratio: float = 0.0
+    """Median over every batch-1 step of a paired run of step / weight roofline at the read
+    bandwidth probed right before and right after that step (`_paired_step_ratios`)."""
+    paired_steps: int = 0
     load_before: float = 0.0
     load_after: float = 0.0
     ours_step_ms: dict[int, float] = field(default_factory=dict)
@@ -91,18 +95,56 @@ def _greedy(tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
 
 
-def _decode_step_ms(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -> float:
-    """Median decode step of `batch` sequences after their prompts are prefilled."""
+def _prefilled(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -> None:
+    """Add `batch` prompts that decode `steps` tokens after the first, and prefill them."""
     for i, prompt in enumerate(_prompts(batch, prompt_len, engine.spec.vocab_size)):
         engine.add_request(f"bench-{batch}-{i}-{time.monotonic_ns()}", prompt, _greedy(steps + 1))
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.sequences.values()):
         engine.step()
+
+
+def _decode_step_ms(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -> float:
+    """Median decode step of `batch` sequences after their prompts are prefilled."""
+    _prefilled(engine, batch, prompt_len, steps)
     times = []
     while engine.has_unfinished():
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
     return statistics.median(times[:-1] or times) * 1000.0  # the last step only finishes
+
+
+PROBE_BYTES = 128 << 20
+"""One read probe between two steps: 4x a 32 MiB last-level cache, about 4 ms here."""
+
+
+def _paired_step_ratios(
+    engine: LLMEngine, prompt_len: int, steps: int, weight_bytes: int
+) -> list[float]:
+    """Each batch-1 decode step / the weight roofline at the read bandwidth probed right
+    before and right after it (the better of the two), one sum over `PROBE_BYTES` each.
+    On a shared machine the bandwidth moves by a third within seconds, so a step and a
+    probe taken a run apart can differ by that much; a step and its neighbours cannot.
+    The probes evict nothing a step keeps: its 500 MB of weights stream through the
+    caches anyway."""
+    probe = torch.ones(PROBE_BYTES // 4)
+
+    def bandwidth() -> float:
+        start = time.perf_counter()
+        probe.sum()
+        return PROBE_BYTES / (time.perf_counter() - start)
+
+    _prefilled(engine, 1, prompt_len, steps)
+    before, ratios = bandwidth(), []
+    while engine.has_unfinished():
+        start = time.perf_counter()
+        engine.step()
+        seconds = time.perf_counter() - start
+        after = bandwidth()
+        if engine.has_unfinished():  # the last step only finishes the request
+            ratios.append(seconds * max(before, after) / weight_bytes)
+        before = after
+    return ratios
 
 
 def _median_generate_s(engine: LLMEngine, batch: int, prompt_len: int, tokens: int, repeats):
@@ -195,6 +237,16 @@ def _decode_rows(engine: LLMEngine, result: EngineBenchResult, args, batch: int)
         result.weight_roofline_ratio = statistics.median(
             ms / (result.weight_bytes / bw * 1000.0) for ms, bw in zip(runs, around, strict=True)
         )
+    if batch == 1:
+        paired = [
+            ratio
+            for _ in range(args.repeats)
+            for ratio in _paired_step_ratios(
+                engine, args.prompt_len, args.decode_steps, result.weight_bytes
+            )
+        ]
+        result.paired_roofline_ratio = statistics.median(paired)
+        result.paired_steps = len(paired)
 
 
 def _new_result(engine: LLMEngine, args, load_before: float) -> EngineBenchResult:
@@ -345,6 +397,12 @@ def format_report(r: EngineBenchResult) -> str:
             f"the bandwidth probed around it (weights streamed at {stream:.1f} GB/s, read "
             f"bandwidth {r.read_bandwidth_gbps:.1f})"
         )
+        if r.paired_steps:
+            lines.append(
+                f"batch-1 step / weight roofline = {r.paired_roofline_ratio:.2f} step by step: "
+                f"the median of {r.paired_steps} steps, each against a read probe taken "
+                "right before and right after it"
+            )
     if r.thread_choice:
         lines.append("Thread choice (moving average per thread count; the faster one runs):")
         for name, averages in r.thread_choice.items():
