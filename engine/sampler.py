@@ -43,6 +43,16 @@ def step_seed(seed: int, output_index: int) -> int:
     return (seed * _MIX + output_index * 0xBF58476D1CE4E5B9 + 1) % (1 << 63)
 
 
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """The first index of each row's largest logit. CPU float32 rows go through numpy: its
+    argmax took 5 us over a 49152-token vocabulary where torch's took 52 (60 against
+    430 us at 16 rows), on the decode step's critical path. Both pick the first maximum,
+    and the first NaN where there is one."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.numpy().argmax(axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()
+
+
 @dataclass
 class SamplerOutput:
     tokens: list[int]
@@ -101,7 +111,7 @@ class Sampler:
     def _tokens(
         self, logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int]
     ) -> list[int]:
-        tokens = logits.argmax(dim=-1).tolist()
+        tokens = greedy_tokens(logits)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
             picked = self._sample_rows(

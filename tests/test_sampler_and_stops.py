@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampler import Sampler
+from engine.sampler import Sampler, greedy_tokens
 from engine.sampling_params import SamplingParams
 from tests.conftest import assert_no_leaks, make_engine
 from tests.test_engine_correctness import prompt_of
@@ -185,3 +185,16 @@ def test_resume_streams_text_that_was_held_back_elsewhere(tiny_llama_dir):
 
     assert client_has + streamed == engine.tokenizer.decode(seq.output_token_ids)
     assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_pick_the_first_maximum_like_torch(dtype):
+    """The numpy argmax of CPU float32 logits (and torch's for other dtypes) picks what
+    torch's argmax picks: ties go to the first index, a NaN wins."""
+    logits = torch.randn(5, 49152).to(dtype)
+    logits[1, 10] = logits[1, 20] = logits[1].max() + 1  # a tie
+    logits[2] = 0.0  # all equal
+    logits[3, 7] = logits[3, 9] = float("nan")
+    picked = greedy_tokens(logits)
+    assert picked == logits.argmax(dim=-1).tolist()
+    assert picked[1:4] == [10, 0, 7]
