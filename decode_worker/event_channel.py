@@ -13,8 +13,11 @@ what they put as one batch.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 EventBatch = list[tuple[str, Any]]
 """(request id, ImportEvent | TokenEvent | ErrorEvent | None) pairs, in the order they
@@ -30,6 +33,8 @@ class EventChannel:
         self.forwarders: dict[str, asyncio.Task] = {}
         """Request id -> the task that feeds its events in (`forward`)."""
         self.closed = False
+        self.read = False
+        """A subscription stream has started reading it (`batches`)."""
 
     def forward(self, request_id: str, events: AsyncIterator[Any]) -> None:
         """Feed `events` (one request's) into the channel on a task of its own."""
@@ -39,6 +44,7 @@ class EventChannel:
 
     async def batches(self) -> AsyncIterator[EventBatch]:
         """What the subscription stream yields: every event put since the last batch."""
+        self.read = True
         while not self.closed:
             await self.ready.wait()
             self.ready.clear()
@@ -66,3 +72,62 @@ class EventChannel:
         finally:
             if self.forwarders.get(request_id) is asyncio.current_task():
                 del self.forwarders[request_id]
+
+
+UNREAD_GRACE_S = 30.0
+"""How long a channel that a `decode` made may wait for its driver's subscription. A
+driver subscribes before or just after its first request; a request that arrives after
+its driver's stream ended (the driver died, or gave that incarnation up) would
+otherwise run to its last token, holding KV blocks, in a channel nobody reads."""
+
+
+class EventChannels:
+    """A decode worker's channels by subscriber (driver), each made by the first
+    `decode` or `subscribe` of its driver, removed when its stream ends, or closed when
+    one made by a `decode` is still unread after `grace_s` (its requests abort)."""
+
+    def __init__(self, grace_s: float = UNREAD_GRACE_S) -> None:
+        self.grace_s = grace_s
+        self._channels: dict[str, EventChannel] = {}
+
+    def for_subscriber(self, subscriber: str) -> EventChannel:
+        """Called by `DecodeWorker.subscribe`: the driver's channel, made if need be."""
+        return self._channels.get(subscriber) or self._make(subscriber)
+
+    def for_request(self, subscriber: str) -> EventChannel:
+        """Called by `DecodeWorker.decode`: the driver's channel; a new one is closed
+        unless a subscription reads it within `grace_s`."""
+        channel = self._channels.get(subscriber)
+        if channel is None:
+            channel = self._make(subscriber)
+            asyncio.get_running_loop().call_later(
+                self.grace_s, self._drop_unread, subscriber, channel
+            )
+        return channel
+
+    def ended(self, subscriber: str, channel: EventChannel) -> None:
+        """The subscription stream reading `channel` ended: close it, forget it."""
+        if self._channels.get(subscriber) is channel:
+            del self._channels[subscriber]
+        channel.close()
+
+    def __iter__(self) -> Iterator[EventChannel]:
+        return iter(list(self._channels.values()))
+
+    def __len__(self) -> int:
+        return len(self._channels)
+
+    def _make(self, subscriber: str) -> EventChannel:
+        channel = self._channels[subscriber] = EventChannel()
+        return channel
+
+    def _drop_unread(self, subscriber: str, channel: EventChannel) -> None:
+        if channel.read or channel.closed:
+            return
+        logger.warning(
+            "no subscription of %s read its events in %.0f s: aborting its %d requests",
+            subscriber,
+            self.grace_s,
+            len(channel.forwarders),
+        )
+        self.ended(subscriber, channel)

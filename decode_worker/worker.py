@@ -26,7 +26,7 @@ import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
-from decode_worker.event_channel import EventBatch, EventChannel
+from decode_worker.event_channel import EventBatch, EventChannels
 from engine import clock
 from engine.engine_loop import EngineLoop
 from engine.errors import RequestAbortedError
@@ -82,8 +82,8 @@ class DecodeWorker(EngineActor):
         """Tickets of imports still waiting for blocks, read by the engine thread."""
         self.last_transfer: dict[str, str] = {}
         """Prefill worker -> how its last request's KV got here (transport or recomputed)."""
-        self.channels: dict[str, EventChannel] = {}
-        """Subscriber (a driver) -> the channel its requests' events travel in."""
+        self.channels = EventChannels()
+        """Per subscriber (a driver): the channel its requests' events travel in."""
 
     def _make_loop(self) -> EngineLoop:
         return EngineLoop(
@@ -97,27 +97,19 @@ class DecodeWorker(EngineActor):
         driver's `DecodeStreams`: the events of every request that driver sent here
         (`decode`), as one batch per step. When the stream ends (the driver went away or
         dropped it), its requests still running here are aborted."""
-        channel = self._channel(subscriber)
+        channel = self.channels.for_subscriber(subscriber)
         try:
             async for batch in channel.batches():
                 yield batch
         finally:
-            if self.channels.get(subscriber) is channel:
-                del self.channels[subscriber]
-            channel.close()
+            self.channels.ended(subscriber, channel)
 
     async def decode(self, request: DecodeRequest, subscriber: str) -> None:
         """Called by the driver's request flow, once per request sent here: returns once
         the request is taken; its events then travel in `subscriber`'s stream: an
         ImportEvent first when a ticket was given, then one TokenEvent per step, ending
         with a finished TokenEvent, an ErrorEvent, or nothing after an abort."""
-        self._channel(subscriber).forward(request.request_id, self._events(request))
-
-    def _channel(self, subscriber: str) -> EventChannel:
-        channel = self.channels.get(subscriber)
-        if channel is None:
-            channel = self.channels[subscriber] = EventChannel()
-        return channel
+        self.channels.for_request(subscriber).forward(request.request_id, self._events(request))
 
     async def _events(
         self, request: DecodeRequest
@@ -287,7 +279,7 @@ class DecodeWorker(EngineActor):
         if self.spec is None:  # a prestarted process: nothing built
             self._stop_engine()
             return
-        for channel in self.channels.values():
+        for channel in self.channels:
             channel.close()
         self._stop_engine()
         self.fetch_pool.shutdown(wait=False, cancel_futures=True)

@@ -635,6 +635,41 @@ def test_an_event_channel_sends_a_steps_events_as_one_batch_and_aborts_on_close(
     assert rest == [] and ended == ["a", "b"]
 
 
+def test_a_channel_no_subscription_reads_is_closed_and_its_requests_abort():
+    """A request that reaches a decode worker after its driver's stream ended makes a
+    channel nobody reads: after the grace period the channel closes, and its request's
+    events generator runs its `finally` (the abort that frees its KV blocks). A channel
+    its driver's subscription reads stays."""
+    from decode_worker.event_channel import EventChannels
+
+    async def main():
+        channels = EventChannels(grace_s=0.05)
+        ended = []
+
+        async def endless(request_id):
+            try:
+                while True:
+                    await asyncio.sleep(1)
+                    yield request_id
+            finally:
+                ended.append(request_id)
+
+        orphan = channels.for_request("gone-driver")
+        orphan.forward("orphan", endless("orphan"))
+        live = channels.for_request("live-driver")
+        live.forward("live", endless("live"))
+        assert channels.for_subscriber("live-driver") is live
+        reader = asyncio.get_running_loop().create_task(anext(live.batches()))
+        await asyncio.sleep(0.2)
+        state = (orphan.closed, live.closed, len(channels), list(ended))
+        reader.cancel()
+        return state
+
+    orphan_closed, live_closed, remaining, ended = asyncio.run(main())
+    assert orphan_closed and not live_closed
+    assert remaining == 1 and ended == ["orphan"]
+
+
 # --- the decode scheduler replays a recorded arrival pattern deterministically ----------
 
 
