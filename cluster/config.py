@@ -219,7 +219,7 @@ class ClusterConfig(ModelSettings):
             shared["max_batch_tokens"] = min(self.max_batch_tokens, self.colocated_step_tokens)
         elif self.mode == "disaggregated":
             shared["max_batch_tokens"] = self.decode_step_tokens
-            shared["prefill_chunk_size"] = min(self.prefill_chunk_size, self.decode_step_tokens)
+            shared["prefill_chunk_size"] = self.decode_prefill_chunk
         return EngineConfig(
             **shared,
             device=self.device,
@@ -258,6 +258,12 @@ class ClusterConfig(ModelSettings):
         if self.device == "cpu" and self.disaggregation == "auto":
             return min(self.max_batch_tokens, DECODE_SIDE_PREFILL_CPU_STEP_TOKENS)
         return self.max_batch_tokens
+
+    @property
+    def decode_prefill_chunk(self) -> int:
+        """The longest prompt piece a decode worker prefills in one step (disaggregated
+        mode): what `auto` prices a local prefill at."""
+        return min(self.prefill_chunk_size, self.decode_step_tokens)
 
     @property
     def prefill_step_tokens(self) -> int:

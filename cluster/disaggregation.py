@@ -61,6 +61,10 @@ class PathInputs:
     decode_costs: StepCosts | None
     bandwidth: float
     prefill_chunk: int
+    """Longest prompt piece of a prefill worker's step."""
+    decode_chunk: int | None = None
+    """Longest prompt piece the decode worker prefills in one step (None: `prefill_chunk`);
+    on CPUs under `auto` shorter than the prefill workers' (`decode_step_tokens`)."""
     prefill_cached_tokens: int = 0
     decode_cached_tokens: int = 0
     prefill_queue_tokens: int = 0
@@ -109,11 +113,12 @@ def predict(inputs: PathInputs) -> tuple[float, float, int]:
         + moved * inputs.block_bytes / inputs.bandwidth
     )
     queued = (d.prefill_token_s or 0.0) * inputs.decode_queue_tokens
+    decode_chunk = inputs.decode_chunk or inputs.prefill_chunk
     if inputs.decode_running > 0:
-        own = _prefill_s(d, local_tokens, inputs.prefill_chunk, False)
+        own = _prefill_s(d, local_tokens, decode_chunk, False)
         local = queued + (1 + INTERFERENCE_WEIGHT) * own
     else:
-        local = queued + _prefill_s(d, local_tokens, inputs.prefill_chunk)
+        local = queued + _prefill_s(d, local_tokens, decode_chunk)
     return remote, local, moved
 
 
@@ -167,10 +172,12 @@ class Disaggregation:
         prefill_chunk: int,
         block_size: int,
         configured_bandwidth: float | None = None,
+        decode_chunk: int | None = None,
     ):
         self.mode = mode
         self.views = views
         self.prefill_chunk = prefill_chunk
+        self.decode_chunk = decode_chunk
         self.block_size = block_size
         self.costs = PathCosts(configured_bandwidth=configured_bandwidth)
 
@@ -219,6 +226,7 @@ class Disaggregation:
             decode_costs=getattr(decode.load, "step_costs", None),
             bandwidth=self.costs.link_bandwidth(prefill.worker_id, decode.worker_id),
             prefill_chunk=self.prefill_chunk,
+            decode_chunk=self.decode_chunk,
             prefill_cached_tokens=on_prefill,
             decode_cached_tokens=min(on_decode, (len(tokens) - 1) // size * size),
             prefill_queue_tokens=max(0, prefill.claimed_tokens - own_work),

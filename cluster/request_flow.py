@@ -104,6 +104,7 @@ class RequestFlow:
             config.prefill_chunk_size,
             config.block_size,
             config.kv_transport_options().bandwidth_bytes_per_s,
+            decode_chunk=config.decode_prefill_chunk,
         )
 
     async def run(self, req: ClusterRequest) -> AsyncIterator[GenerationChunk]:

@@ -3,6 +3,7 @@ health reports, no Ray."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from types import SimpleNamespace
 
@@ -269,6 +270,26 @@ def test_the_crossover_moves_to_longer_prompts_as_bandwidth_drops():
     assert points[1e7] is None  # per token, moving is slower than computing
     remote, local, _ = predict(PathInputs(**{**base.__dict__, "prompt_tokens": 16}))
     assert local < remote
+
+
+def test_an_idle_decode_worker_is_priced_at_its_own_prompt_pieces():
+    """A decode worker prefills in shorter pieces than a prefill worker (256 against 512
+    tokens on CPUs under auto): an idle one pays the step's fixed cost per piece of its
+    own, so a 1024-token prompt costs it two more fixed costs than at the prefill
+    workers' chunk."""
+    costs = measured_costs()
+    inputs = PathInputs(
+        prompt_tokens=1024,
+        block_size=BLOCK,
+        block_bytes=DEMO_BLOCK_BYTES,
+        prefill_costs=costs,
+        decode_costs=None,
+        bandwidth=2e9,
+        prefill_chunk=512,
+    )
+    _, at_prefill_chunk, _ = predict(inputs)
+    _, at_own_pieces, _ = predict(dataclasses.replace(inputs, decode_chunk=256))
+    assert at_own_pieces - at_prefill_chunk == pytest.approx(2 * costs.prefill_fixed_s)
 
 
 def _transferred(num_bytes: int, seconds: float):
