@@ -96,7 +96,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 def remove_stale_files(shm_dir: str) -> None:
-    """Delete pool files of senders that died without closing (name ends in their pid)."""
+    """Delete the pool files and export tables of senders that died without closing
+    (each name ends in its writer's pid)."""
     for path in glob.glob(os.path.join(shm_dir, f"{FILE_PREFIX}*")):
         if path.endswith((POOL_SUFFIX, TABLE_SUFFIX)) and _writer_gone(path):
             _unlink_quietly(path)
@@ -160,8 +161,8 @@ class ShmServer:
         self.owns_file = pool.shm_path is None
         safe_id = "".join(c if c.isalnum() else "_" for c in sender.worker_id)
         stem = os.path.join(options.shm_dir, f"{FILE_PREFIX}{safe_id}-{os.getpid()}")
+        remove_stale_files(options.shm_dir)
         if self.owns_file:
-            remove_stale_files(options.shm_dir)
             pool.move_to_shared_memory(stem + POOL_SUFFIX, keep_contents=False)  # zeros
         self.path = pool.shm_path
         self.faults: FaultOptions = options.faults
