@@ -10,9 +10,9 @@ The sender writes the first two from its `ExportRegistry` (`ExportListener`: exp
 lease extension, release, under the registry's lock); a receiver on the same node that
 the sender has already authorized reads them instead of sending `begin`. An export's
 tags go from set to cleared once, and the sender clears them before the blocks return
-to its allocator, so tags still set after a copy mean no block changed under it. Not
-sending `begin` saves a fetch the wake-up of the sender's Python on the cores that are
-copying (0.15-0.2 ms of a 16 MiB fetch, docs/kv_transfer.md).
+to its allocator, so tags still set after a copy mean no block changed under it. With
+no `begin` to answer, the sender's Python no longer wakes on the cores that are copying
+(0.15-0.2 ms of a 16 MiB fetch, docs/kv_transfer.md).
 """
 
 from __future__ import annotations
