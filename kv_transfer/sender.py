@@ -11,6 +11,7 @@ the registry's `begin_transfer` / `end_transfer` from their own threads.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -95,6 +96,21 @@ class RegistrySender(KVSender):
 
     def heartbeat(self, request_id: str) -> bool:
         return self.registry.heartbeat(request_id)
+
+    def lease_beats(self, request_id: str) -> Callable[[], None]:
+        """For a transport server streaming an export's pieces after `begin_transfer`
+        (which extended its lease): call it after each piece; it extends the lease once
+        every third of it, not per piece (the registry's lock, per MiB)."""
+        every_s = self.options.lease_ttl_s / 3
+        last = time.monotonic()
+
+        def beat() -> None:
+            nonlocal last
+            if time.monotonic() - last >= every_s:
+                self.heartbeat(request_id)
+                last = time.monotonic()
+
+        return beat
 
     def stats(self) -> SenderStats:
         return self.registry.stats()

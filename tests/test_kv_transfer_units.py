@@ -332,6 +332,20 @@ def _export(transport: str, options: TransportOptions, pool=None):
     return sender, sender.export("r", [1, 2, 3], 24, "decode-0")
 
 
+def test_a_streaming_sender_extends_the_lease_every_third_of_it_not_per_piece():
+    """`lease_beats`, what collective and gRPC servers call after each piece sent."""
+    sender, _ = _export("local", replace(OPTIONS, lease_ttl_s=0.3))
+    beat = sender.lease_beats("r")
+    for _ in range(5):  # pieces sent right after begin_transfer extended the lease
+        beat()
+    assert sender.stats().heartbeats == 0
+    time.sleep(0.12)
+    beat()
+    beat()
+    assert sender.stats().heartbeats == 1
+    sender.close()
+
+
 def test_a_killed_sender_not_yet_reaped_counts_as_dead():
     """A SIGKILLed worker is a zombie until its parent reaps it; shm's dead-sender check
     must not take it for alive (the export would be recomputed for nothing)."""

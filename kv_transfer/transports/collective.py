@@ -172,17 +172,7 @@ class CollectiveServer:
         flat = flat_bytes(self.sender.pool.kv)
         faults = FaultPlan(self.options.faults, total_bytes(pieces), request_id)
         timeout = timedelta(seconds=self.options.timeout_s)
-        # `begin_transfer` just extended the lease; a slow (paced) transfer extends it
-        # again every third of it, not per piece (the registry's lock, per MiB).
-        beat_every = self.options.lease_ttl_s / 3
-        last_beat = time.monotonic()
-
-        def beat() -> None:
-            nonlocal last_beat
-            if time.monotonic() - last_beat >= beat_every:
-                self.sender.heartbeat(request_id)
-                last_beat = time.monotonic()
-
+        beat = self.sender.lease_beats(request_id)
         shaper.start()
         pending = []  # all sends in flight at once: pieces pipeline instead of ping-ponging
         for piece in pieces:

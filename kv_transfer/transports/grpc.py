@@ -104,6 +104,7 @@ class _Servicer(pb_grpc.KVTransferServicer):
     def _stream(self, request_id: str, pieces, shaper: Shaper):
         flat = flat_bytes(self.sender.pool.kv)
         faults = FaultPlan(self.options.faults, total_bytes(pieces), request_id)
+        beat = self.sender.lease_beats(request_id)
         shaper.start()
         for piece in pieces:
             corrupt = faults.hit(piece.offset, piece.nbytes)
@@ -113,7 +114,7 @@ class _Servicer(pb_grpc.KVTransferServicer):
                 data[0] = 255 - data[0]
             shaper.pace(piece.nbytes)
             yield encode_chunk(piece.offset, data)
-            self.sender.heartbeat(request_id)
+            beat()
         shaper.finish()
 
 
