@@ -40,9 +40,8 @@ def block_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, i
         raise ValueError(f"{len(src_ids)} source blocks but {len(dst_ids)} destination blocks")
     if not src_ids:
         return []
-    count = len(src_ids)
     if _counts_up(src_ids) and _counts_up(dst_ids):  # one run: no loop in Python
-        return [(src_ids[0], dst_ids[0], count)]
+        return [(src_ids[0], dst_ids[0], len(src_ids))]
     runs: list[tuple[int, int, int]] = []
     for s, d in zip(src_ids, dst_ids, strict=True):
         if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
