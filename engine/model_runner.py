@@ -132,9 +132,7 @@ class ModelRunner:
         block_size = self.kv_pool.block_size
         context_lens = [c.seq.num_computed_tokens + 1 for c in decode]
         width = max((n + block_size - 1) // block_size for n in context_lens)
-        tables = [
-            c.seq.block_ids[:width] + [0] * (width - len(c.seq.block_ids[:width])) for c in decode
-        ]
+        tables = [_padded(c.seq.block_ids, width) for c in decode]
         return self._tensor(tables), self._tensor(context_lens)
 
     def _prefill_chunks(self, prefill: list[ScheduledChunk], first_row: int) -> list[PrefillChunk]:
@@ -154,3 +152,9 @@ class ModelRunner:
             )
             row += chunk.num_new_tokens
         return pieces
+
+
+def _padded(block_ids: list[int], width: int) -> list[int]:
+    """The first `width` block ids, padded with block 0 (masked out by context length)."""
+    head = block_ids[:width]
+    return head + [0] * (width - len(head))

@@ -101,7 +101,9 @@ class Sequence:
         prompt_len = len(self.prompt_token_ids)
         if end <= prompt_len:
             return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        if start >= prompt_len:  # a decode step's token: no copy of the whole history
+            return self.output_token_ids[start - prompt_len : end - prompt_len]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt_len]
 
     @property
     def is_finished(self) -> bool:

@@ -102,19 +102,16 @@ class FusedDecode:
             int(weights.lm_head.bf16),
         )
         self._weights = weights  # keeps every tensor the structs point into alive
+        self._scratch_rows = 0
+        self._scratch_tensors: list[torch.Tensor] = []
+        self._scratch_addresses: tuple[int, ...] = ()
 
     def run(self, input_ids, positions, meta, kv_pool) -> torch.Tensor | None:
         """Logits [rows, vocab] of a step whose rows all decode; None if the kernel
         declines the shapes (the caller then runs the step operation by operation)."""
-        rows, spec = input_ids.shape[0], self.spec
-        buffers = {
-            "residual": torch.empty(rows, spec.hidden_size),
-            "qkv": torch.empty(rows, self.qkv_width),
-            "attn": torch.empty(rows, spec.num_heads * spec.head_dim),
-            "gate_up": torch.empty(rows, 2 * spec.intermediate_size),
-            "scratch": torch.empty(rows, max(spec.hidden_size, spec.intermediate_size)),
-            "logits": torch.empty(rows, spec.vocab_size),
-        }
+        rows = input_ids.shape[0]
+        buffers = self._scratch(rows)
+        logits = torch.empty(rows, self.spec.vocab_size)  # the caller keeps it
         kv, tables = kv_pool.kv, meta.decode_block_tables
         batch = _DecodeBatch(
             rows,
@@ -128,12 +125,32 @@ class FusedDecode:
             kv.data_ptr(),
             *kv.stride()[:3],
             kv.shape[3],
-            *(buffers[name].data_ptr() for name in _BATCH_BUFFERS),
+            *buffers,
+            logits.data_ptr(),
             kv_pool.holds_bf16,
         )
         threads = torch.get_num_threads()
         status = self.library.pd_decode_step(ctypes.byref(self.model), ctypes.byref(batch), threads)
-        return None if status else buffers["logits"]
+        return None if status else logits
+
+    def _scratch(self, rows: int) -> tuple[int, ...]:
+        """Addresses of the step's scratch buffers (every buffer but the logits), kept for
+        the most rows a step has had: the kernel reads them row by row at their widths,
+        so a larger buffer serves a smaller step, and steps of one engine run one at a
+        time."""
+        if rows > self._scratch_rows:
+            spec = self.spec
+            widths = {
+                "residual": spec.hidden_size,
+                "qkv": self.qkv_width,
+                "attn": spec.num_heads * spec.head_dim,
+                "gate_up": 2 * spec.intermediate_size,
+                "scratch": max(spec.hidden_size, spec.intermediate_size),
+            }
+            self._scratch_tensors = [torch.empty(rows, widths[n]) for n in _BATCH_BUFFERS[:-1]]
+            self._scratch_addresses = tuple(t.data_ptr() for t in self._scratch_tensors)
+            self._scratch_rows = rows
+        return self._scratch_addresses
 
 
 def _layer_struct(layer) -> _LayerWeights:
