@@ -10,7 +10,8 @@ two buffers of this process on as many threads as the shm receiver copies with, 
 the same destination blocks, timed in turn with each shm fetch (`grpc-paired` is the
 bare grpcio stream below timed the same way, in turn with each grpc fetch). Library
 ceilings, also from a child process into a preallocated buffer: bare gloo send/recv of
-the same pieces (`gloo-bare`) and a bare grpcio stream of the same messages
+the same pieces, each transfer behind the same pipe round trip as a fetch (`gloo-bare`),
+and a bare grpcio stream of the same messages
 (`grpc-bare`), with none of our code (no registry, no checksums), so each
 transport's own overhead reads as transport / ceiling. Optional peers, when installed
 (`make peers`): NIXL over UCX and the Mooncake transfer engine over TCP, each reading
@@ -157,16 +158,18 @@ def _gloo_pair(rank: int, port: int):
     return make_pair_group(store, "bench", rank, "127.0.0.1", torch.device("cpu"), 60)
 
 
-def _gloo_sender_main(port: int, size: int, piece: int, repeats: int) -> None:
+def _gloo_sender_main(conn, port: int, size: int, piece: int, repeats: int) -> None:
     import torch
 
     group = _gloo_pair(0, port)
     data = torch.randint(0, 255, (size,), dtype=torch.uint8)
     for _ in range(repeats):
+        conn.send(conn.recv())  # the export round trip a transport fetch waits behind
         group.recv([torch.zeros(1)], 1, 1).wait()  # go
         works = [group.send([data[o : o + piece]], 1, 0) for o in range(0, size, piece)]
         for work in works:
             work.wait()
+        conn.recv()  # the ack
 
 
 def _grpc_sender_main(conn, size: int, message: int, options: list) -> None:
@@ -252,25 +255,34 @@ def measure_socket(size: int, repeats: int) -> float:
 
 
 def measure_gloo_bare(size: int, piece: int, repeats: int) -> float:
-    """Bare gloo pair, same pieces as the collective transport, all sends in flight."""
+    """Bare gloo pair, same pieces as the collective transport, all sends in flight, in
+    the transport's rhythm: each transfer follows a pipe round trip to the sender child
+    (the export of `measure_transport`) and precedes another (the ack). Timed back to
+    back instead, the pair's threads never sleep between transfers, a regime no fetch
+    runs in: 1 MiB took 0.31 ms that way against 0.48-0.50 ms after a round trip, and
+    16 MiB moved at 5.7 GB/s against 3.5-3.7 (EPYC-AVX2, docs/kv_transfer.md)."""
     import torch
 
     from bench.server_process import free_port
 
     port = free_port()
     ctx = mp.get_context("spawn")
-    child = ctx.Process(target=_gloo_sender_main, args=(port, size, piece, repeats))
+    parent, child_conn = ctx.Pipe()
+    child = ctx.Process(target=_gloo_sender_main, args=(child_conn, port, size, piece, repeats))
     child.start()
     group = _gloo_pair(1, port)
     buf = torch.empty(size, dtype=torch.uint8)
     best = float("inf")
-    for _ in range(repeats):
+    for rep in range(repeats):
+        parent.send(rep)
+        parent.recv()
         start = time.perf_counter()
         group.send([torch.zeros(1)], 0, 1).wait()
         works = [group.recv([buf[o : o + piece]], 0, 0) for o in range(0, size, piece)]
         for work in works:
             work.wait()
         best = min(best, time.perf_counter() - start)
+        parent.send("ack")
     child.join()
     return size / best
 
