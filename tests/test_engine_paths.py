@@ -429,6 +429,27 @@ def test_fused_decode_step_matches_per_operation_path_on_any_thread_count(tiny_l
     assert_no_leaks(engine)
 
 
+@needs_native
+def test_fused_decode_scratch_kept_from_a_larger_step_gives_the_same_logits(tiny_llama_dir):
+    """The fused step keeps its scratch buffers at the most rows it has seen; a smaller
+    step after a larger one computes exactly what a fresh instance does."""
+    from engine.native.decode_step import FusedDecode
+
+    engine = make_engine(tiny_llama_dir)
+    chunks = _decode_step_inputs(engine, [5, 17, 30])
+    model, pool = engine.model, engine.kv_pool
+    wide = engine.runner.build_step(chunks)
+    narrow = engine.runner.build_step(chunks[1:2])
+    kept = model.fused_decode
+    kept.run(wide.input_ids, wide.positions, wide.meta, pool)
+    reused = kept.run(narrow.input_ids, narrow.positions, narrow.meta, pool)
+    fresh = FusedDecode(kept.kernels, model)
+    assert torch.equal(reused, fresh.run(narrow.input_ids, narrow.positions, narrow.meta, pool))
+    for chunk in chunks:
+        engine.abort(chunk.seq.request_id)
+    assert_no_leaks(engine)
+
+
 def test_thread_choice_follows_the_faster_count_and_comes_back():
     """Quiet machine: two threads win. Busy sibling core: one thread wins within a
     retry, and two are not retried while the cores stay busy. Quiet again: two threads

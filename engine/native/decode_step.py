@@ -47,7 +47,8 @@ class _Model(ctypes.Structure):
 
 
 _BATCH_POINTERS = ("tokens", "positions", "slot_blocks", "slot_offsets", "block_tables")
-_BATCH_BUFFERS = ("residual", "qkv", "attn", "gate_up", "scratch", "logits")
+_SCRATCH_BUFFERS = ("residual", "qkv", "attn", "gate_up", "scratch")
+_BATCH_BUFFERS = (*_SCRATCH_BUFFERS, "logits")
 
 
 class _DecodeBatch(ctypes.Structure):
@@ -147,7 +148,7 @@ class FusedDecode:
                 "gate_up": 2 * spec.intermediate_size,
                 "scratch": max(spec.hidden_size, spec.intermediate_size),
             }
-            self._scratch_tensors = [torch.empty(rows, widths[n]) for n in _BATCH_BUFFERS[:-1]]
+            self._scratch_tensors = [torch.empty(rows, widths[n]) for n in _SCRATCH_BUFFERS]
             self._scratch_addresses = tuple(t.data_ptr() for t in self._scratch_tensors)
             self._scratch_rows = rows
         return self._scratch_addresses
