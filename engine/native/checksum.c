@@ -126,7 +126,6 @@ static inline stripe_t load_stripe(const uint8_t *p) { return *(const u64x8u *)p
 static inline void store_stripe(uint8_t *p, stripe_t data) { *(u64x8u *)p = data; }
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
 static inline void stream_stripe(uint8_t *p, stripe_t data) {
   _mm512_stream_si512((void *)p, (__m512i)data);
 }
@@ -185,6 +184,14 @@ static uint64_t merge(acc_t acc, uint64_t len) {
   return avalanche(result);
 }
 
+/* One stripe stored at `p`, around the cache when `stream` (`p` 64-byte aligned). */
+static inline void put_stripe(uint8_t *p, stripe_t data, int stream) {
+  if (stream)
+    stream_stripe(p, data);
+  else
+    store_stripe(p, data);
+}
+
 /* The long-input XXH3-64 of `len` (> 240) bytes at `src`; with `dst` non-NULL each
  * stripe is also stored there, so `dst` ends up a copy of `src` and the digest is of
  * the bytes written (the last stripe is re-read from `dst`). `stream`: `dst` is
@@ -197,10 +204,7 @@ static inline uint64_t copy_hash_long(const uint8_t *src, uint8_t *dst, int64_t 
   for (int64_t b = 0; b < blocks; b++) {
     for (int s = 0; s < XXH_STRIPES_PER_BLOCK; s++, at += XXH_STRIPE) {
       const stripe_t data = load_stripe(src + at);
-      if (stream)
-        stream_stripe(dst + at, data);
-      else if (dst)
-        store_stripe(dst + at, data);
+      if (dst) put_stripe(dst + at, data, stream);
       acc = accumulate(acc, data, k_secret + 8 * s);
     }
     acc = scramble(acc);
@@ -208,10 +212,7 @@ static inline uint64_t copy_hash_long(const uint8_t *src, uint8_t *dst, int64_t 
   const int stripes = (int)((len - 1 - at) / XXH_STRIPE);
   for (int s = 0; s < stripes; s++, at += XXH_STRIPE) {
     const stripe_t data = load_stripe(src + at);
-    if (stream)
-      stream_stripe(dst + at, data);
-    else if (dst)
-      store_stripe(dst + at, data);
+    if (dst) put_stripe(dst + at, data, stream);
     acc = accumulate(acc, data, k_secret + 8 * s);
   }
   if (dst) {
@@ -238,6 +239,7 @@ int pd_copy_xxh3_blocks(const uint8_t *src, uint8_t *dst, int64_t block_nbytes, 
   const int stream = dst != NULL && (uintptr_t)dst % 64 == 0 && block_nbytes % 64 == 0;
   for (int64_t i = 0; i < count; i++) {
     const int64_t offset = i * block_nbytes;
+    /* `stream` a constant at each call: both inline into loops without its branch */
     out[i] = stream ? copy_hash_long(src + offset, dst + offset, block_nbytes, 1)
                     : copy_hash_long(src + offset, dst ? dst + offset : NULL, block_nbytes, 0);
   }
