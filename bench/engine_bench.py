@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from tqdm import tqdm
 
-from bench.hardware import cpu_model, hardware_profile, read_bandwidth
+from bench.hardware import ReadProbe, cpu_model, hardware_profile, read_bandwidth
 from bench.model_shape import DTYPE_BYTES, streamed_weight_params
 from bench.roofline import decode_step
 from bench.timing import load_average, median_of
@@ -127,13 +127,7 @@ def _paired_step_ratios(
     probe taken a run apart can differ by that much; a step and its neighbours cannot.
     The probes evict nothing a step keeps: its 500 MB of weights stream through the
     caches anyway."""
-    probe = torch.ones(PROBE_BYTES // 4)
-
-    def bandwidth() -> float:
-        start = time.perf_counter()
-        probe.sum()
-        return PROBE_BYTES / (time.perf_counter() - start)
-
+    bandwidth = ReadProbe(PROBE_BYTES)
     _prefilled(engine, 1, prompt_len, steps)
     before, ratios = bandwidth(), []
     while engine.has_unfinished():

@@ -144,15 +144,28 @@ def measure_cpu(
     )
 
 
+class ReadProbe:
+    """A read-only pass (sum) over a tensor much larger than the last-level cache, kept
+    so that it can be timed again and again (between two decode steps, say)."""
+
+    def __init__(self, num_bytes: int = 256 << 20):
+        import torch
+
+        self.num_bytes = num_bytes
+        self.data = torch.ones(num_bytes // 4, dtype=torch.float32)
+
+    def __call__(self, repeats: int = 1) -> float:
+        """Bytes/s of the fastest of `repeats` passes."""
+        from bench.timing import best_of
+
+        return self.num_bytes / best_of(self.data.sum, repeats)
+
+
 def read_bandwidth(num_bytes: int = 256 << 20, repeats: int = 5) -> float:
-    """Bytes/s of a read-only pass (sum) over a tensor much larger than the last-level cache."""
-    import torch
-
-    from bench.timing import best_of
-
-    data = torch.ones(num_bytes // 4, dtype=torch.float32)
-    data.sum()
-    return num_bytes / best_of(data.sum, repeats)
+    """Bytes/s of a read-only pass over a fresh probe, best of `repeats` after one untimed."""
+    probe = ReadProbe(num_bytes)
+    probe.data.sum()
+    return probe(repeats)
 
 
 def matmul_flops(dtype, n: int = 1536, repeats: int = 3) -> float:
