@@ -6,10 +6,13 @@
  * Decode: a work item is one sequence's span of blocks, all heads. It makes one pass
  * over its blocks, each block's keys then values (one contiguous piece of the pool,
  * 2 * block_size * Hkv * D floats), with an online softmax (running peak and sum per
- * head, rescaled as the peak rises), while the next block is prefetched a share per
- * head. Blocks sit anywhere in the pool, so without that the hardware prefetcher
- * loses the stream at every block: 16 sequences x 290 tokens, 30 layers, one thread:
- * 28-31 ms with a pass over all keys then one over all values, 18-22 ms this way.
+ * head, rescaled as the peak rises), while the next block is prefetched a line or two
+ * per inner-loop iteration. Blocks sit anywhere in the pool, so without that the
+ * hardware prefetcher loses the stream at every block: 16 sequences x 290 tokens, 30
+ * layers, one thread: 28-31 ms with a pass over all keys then one over all values,
+ * 18-22 ms this way. Issued in bursts (a share per head before its scores), the
+ * prefetches filled the core's miss buffers and stalled the arithmetic behind them:
+ * 16 x 272 tokens took 19.9 ms on one Zen 3 thread that way, 16.3 trickled.
  * With fewer than MIN_ITEMS sequences, a sequence's blocks are split into spans whose
  * partial results (peak, sum, weighted values) are merged. Eight-wide vectors whatever
  * the ISA: head dims are multiples of 8 and the score reduction is written for 8.
@@ -20,6 +23,24 @@
 #define ATT_PF 2 /* the next block is prefetched into L2 (into L1 it was slower) */
 #endif
 #define MIN_ITEMS 8 /* decode work items per step: a sequence splits into spans below this */
+#ifndef PF_SCORE_LINES
+#define PF_SCORE_LINES 2
+#endif
+#ifndef PF_VALUE_LINES
+#define PF_VALUE_LINES 1
+#endif
+
+/* The next block's lines not yet prefetched. The score loop takes PF_SCORE_LINES per
+ * iteration and the value loop PF_VALUE_LINES, which covers a float32 block of the demo
+ * model (384 lines: 144 score and 96 value iterations) by the end of its own work. */
+typedef struct {
+  const char *at, *end;
+} pf_cursor;
+
+static inline __attribute__((always_inline)) void pf_lines(pf_cursor *c, int lines) {
+  for (int i = 0; i < lines && c->at < c->end; i++, c->at += 64)
+    __builtin_prefetch(c->at, 0, ATT_PF);
+}
 
 void rope_store_team(const rope_store_args *a, int t, int nt) {
   long D = a->D, half = D / 2, heads = a->Hq + a->Hkv, row_kv = a->Hkv * D;
@@ -83,19 +104,16 @@ static inline long span_tokens(long t0, long t_end, long block_size) {
 /* scores[j * stride + i] = q_j . k_i for the n tokens of one block, whose keys are
  * float32 rows of Hkv * D from `keys` (q pre-scaled), query head j over kv head j / G. */
 static void block_scores(const paged_seq *s, const float *q, const float *keys, long n,
-                         float *scores, long stride, const char *next, long next_bytes) {
+                         float *scores, long stride, pf_cursor *pf) {
   long G = s->Hq / s->Hkv, D = s->D, row = s->Hkv * D;
-  long share = (next_bytes / s->Hq + 63) / 64 * 64;
   for (long j = 0; j < s->Hq; j++) {
     const float *qj = q + j * D, *kh = keys + (j / G) * D;
-    /* The next block's keys and values, a share per head: spread over this block's work. */
-    for (long b = j * share; next && b < (j + 1) * share && b < next_bytes; b += 64)
-      __builtin_prefetch(next + b, 0, ATT_PF);
     float *out = scores + j * stride;
     long i = 0;
     for (; i + 8 <= n; i += 8) {
       f8 acc[8] = {0};
       for (long d = 0; d < D; d += 8) {
+        pf_lines(pf, PF_SCORE_LINES);
         f8 qv = LOAD8(qj + d);
         for (int t = 0; t < 8; t++) acc[t] += qv * LOAD8(kh + (i + t) * row + d);
       }
@@ -149,12 +167,13 @@ static inline __attribute__((always_inline)) void block_values(int G, int NV, co
                                                                long span, long n,
                                                                const void *values, long vh,
                                                                long row, long D, float *out,
-                                                               int bf16) {
+                                                               int bf16, pf_cursor *pf) {
   for (long d = 0; d < D; d += 8 * NV) {
     f8 acc[MAX_GROUP][4];
     for (int g = 0; g < G; g++)
       for (int c = 0; c < NV; c++) acc[g][c] = LOAD8(out + g * D + d + 8 * c);
     for (long i = 0; i < n; i++) {
+      pf_lines(pf, PF_VALUE_LINES);
       f8 v[4];
       for (int c = 0; c < NV; c++) v[c] = kv_load8(values, vh + i * row + d + 8 * c, bf16);
       for (int g = 0; g < G; g++) {
@@ -171,15 +190,15 @@ static inline __attribute__((always_inline)) void block_values(int G, int NV, co
 #define BLOCK_VALUES(GC, NVC)                                                          \
   case GC:                                                                           \
     if (D % (8 * NVC) == 0) {                                                        \
-      block_values(GC, NVC, p, span, n, values, vh, row, D, out, bf16);              \
+      block_values(GC, NVC, p, span, n, values, vh, row, D, out, bf16, pf);          \
       return;                                                                        \
     }                                                                                \
-    block_values(GC, 1, p, span, n, values, vh, row, D, out, bf16);                  \
+    block_values(GC, 1, p, span, n, values, vh, row, D, out, bf16, pf);              \
     return;
 
 static inline __attribute__((always_inline)) void group_block_values(
     long G, const float *p, long span, long n, const void *values, long vh, long row, long D,
-    float *out, int bf16) {
+    float *out, int bf16, pf_cursor *pf) {
   switch (G) {
     BLOCK_VALUES(1, 4) BLOCK_VALUES(2, 4) BLOCK_VALUES(3, 4) BLOCK_VALUES(4, 2)
     BLOCK_VALUES(5, 2) BLOCK_VALUES(6, 2) BLOCK_VALUES(7, 1) BLOCK_VALUES(8, 1)
@@ -215,11 +234,13 @@ static inline __attribute__((always_inline)) void span_attend(
       widen_keys((const uint16_t *)s->k + block, n, row, wide_keys);
       keys = wide_keys;
     }
-    block_scores(s, q, keys, n, scores, bs, next, next_bytes);
+    pf_cursor pf = {next, next ? next + next_bytes : 0};
+    block_scores(s, q, keys, n, scores, bs, &pf);
     block_softmax(scores, bs, s->Hq, n, D, peak, total, out);
     for (long h = 0; h < s->Hkv; h++)
       group_block_values(G, scores + h * G * bs, bs, n, s->v, block + h * D, row, D,
-                         out + h * G * D, bf16);
+                         out + h * G * D, bf16, &pf);
+    pf_lines(&pf, 1 << 30); /* what the loops left (short blocks) */
   }
 }
 
