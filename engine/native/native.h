@@ -30,7 +30,7 @@
 #endif
 #define PD_NR (PD_NV * VL) /* output columns per packed strip */
 #ifndef KC
-#define KC 256 /* K block of the multi-row tiles: one strip piece stays in L1 */
+#define KC 192 /* K block of the multi-row tiles: a strip piece and a 16-row panel of x share L1 */
 #endif
 
 typedef float vf __attribute__((vector_size(VL * 4)));
