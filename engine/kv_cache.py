@@ -13,7 +13,6 @@ the sender's ids and writes them under the receiver's ids.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.host_memory import huge_page_tensor
 from engine.model_spec import ModelSpec
 
 
@@ -69,21 +69,6 @@ class KVLayout:
         )
 
 
-def _zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero tensor in private anonymous memory, which the kernel zeroes on first touch:
-    `torch.zeros` writes every page of a multi-GiB pool up front, most of a second of
-    each worker's (re)start, for blocks that may never be used. Transparent huge pages
-    are asked for: a KV import copying into 4 KiB pages ran at ~0.6 of the same copy
-    into huge pages here (TLB misses), and attention reads the blocks in place."""
-    numel = math.prod(shape)
-    nbytes = numel * dtype.itemsize
-    pages = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        with contextlib.suppress(OSError):
-            pages.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(pages, dtype=dtype, count=numel).view(shape)
-
-
 _MADV_POPULATE_WRITE = 23
 """Linux 5.14+: fault pages in writable as a write would, leaving their contents."""
 
@@ -123,7 +108,9 @@ class KVCachePool:
         """Bytes from the pool's start that `prefault` has mapped."""
         shape, dtype = (num_blocks, *layout.block_shape), getattr(torch, layout.dtype)
         if torch.device(device).type == "cpu":
-            self.kv = _zero_pages(shape, dtype)
+            # Attention reads the blocks in place and KV imports copy into them: huge
+            # pages (engine/host_memory.py).
+            self.kv = huge_page_tensor(shape, dtype)
         else:
             self.kv = torch.zeros(shape, dtype=dtype, device=device)
         if shm_path is not None:
