@@ -108,3 +108,32 @@ def test_entries_of_deleted_models_are_removed_on_the_next_write(
     (kept,) = entries(cache_dir)
     assert kept.stat().st_size > 0
     assert not list(cache_dir.glob("*.tmp"))
+
+
+def test_weights_are_copied_out_of_the_cache_file_into_one_aligned_arena(model_copy, cache_dir):
+    """A worker steps its own copy of the weights (on huge pages where the kernel gives
+    them), not the file's mapping: zeros written over the file in place (which a mapping
+    of it would show) leave a built engine's answers as they were."""
+    prompt = prompt_of(11)
+    fresh = our_greedy_with_logits(make_engine(model_copy, kernels="native"), prompt, 4)
+    engine = make_engine(model_copy, kernels="native")  # copies out of the file
+    for path in entries(cache_dir):
+        with open(path, "r+b") as file:
+            file.write(bytes(path.stat().st_size))
+    assert torch.equal(our_greedy_with_logits(engine, prompt, 4), fresh)
+
+
+def test_copied_to_huge_pages_keeps_every_tensor_and_aligns_each():
+    from engine.host_memory import copied_to_huge_pages
+
+    tensors = {
+        "odd": torch.arange(7, dtype=torch.float32),
+        "matrix": torch.randn(5, 3),
+        "half": torch.randn(9).to(torch.bfloat16),
+        "strided": torch.randn(4, 6)[:, ::2],
+    }
+    copies = copied_to_huge_pages(tensors, align=64)
+    for name, tensor in tensors.items():
+        assert copies[name].dtype == tensor.dtype and copies[name].shape == tensor.shape
+        assert torch.equal(copies[name], tensor)
+        assert copies[name].data_ptr() % 64 == 0
