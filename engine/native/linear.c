@@ -25,14 +25,14 @@ static inline __attribute__((always_inline)) void tile(int MR, const float *x, l
                                                        const float *w, long kc, float *y,
                                                        long ldy, int load_c, const float *bias,
                                                        const float *pf, long npf) {
-  int pf_shift = npf * 2 <= kc, pf_mask = pf_shift;
+  const int every_other = npf * 2 <= kc; /* 1: a line at each even k, 0: at each k */
   vf acc[24][PD_NV];
   for (int i = 0; i < MR; i++)
     for (int c = 0; c < PD_NV; c++) acc[i][c] = load_c ? LOADU(y + i * ldy + c * VL) : splat(0.0f);
   for (long k = 0; k < kc; k++) {
     vf b[PD_NV];
-    if (pf && !(k & pf_mask) && (k >> pf_shift) < npf)
-      __builtin_prefetch(pf + (k >> pf_shift) * PD_NR, 0, PF_LOCALITY);
+    if (pf && !(k & every_other) && (k >> every_other) < npf)
+      __builtin_prefetch(pf + (k >> every_other) * PD_NR, 0, PF_LOCALITY);
     for (int c = 0; c < PD_NV; c++) b[c] = LOADA(w + k * PD_NR + c * VL);
     for (int i = 0; i < MR; i++) {
       vf xa = splat(x[i * ldx + k]);
