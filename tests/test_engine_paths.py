@@ -275,10 +275,19 @@ KV_DTYPES = pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16"])
 
 
 @KV_DTYPES
-def test_every_available_attention_backend_agrees_on_a_decode_step(tiny_llama_dir, kv_cache_dtype):
-    """Over a float32 pool, and a bf16 one (read back exactly: only the sums' order differs)."""
+@pytest.mark.parametrize(
+    "lengths",
+    [[5, 8, 17, 30], [70, 140], [300]],
+    ids=["one-span-each", "two-spans-each", "four-spans"],  # the native plan, 8-token blocks
+)
+def test_every_available_attention_backend_agrees_on_a_decode_step(
+    tiny_llama_dir, kv_cache_dtype, lengths
+):
+    """Over a float32 pool, and a bf16 one (read back exactly: only the sums' order differs);
+    long sequences split into spans whose partial softmaxes the native kernel merges."""
     engine = engine_with_kv(tiny_llama_dir, kv_cache_dtype)
-    chunks = _decode_step_inputs(engine, [5, 8, 17, 30])
+    chunks = _decode_step_inputs(engine, lengths)
+    assert [c.seq.num_computed_tokens for c in chunks] == lengths
     meta = engine.runner.build_step(chunks).meta
     spec = engine.spec
     generator = torch.Generator().manual_seed(3)

@@ -146,6 +146,30 @@ static inline f8 transpose_sum8(const f8 v[8]) {
 }
 
 
+/* v's lanes summed in transpose_sum8's order (pairs, then pairs of pairs, then halves), so
+ * either gives the same float. */
+static inline float hsum8(f8 v) {
+  const i8 pairs = {1, 0, 3, 2, 5, 4, 7, 6}, quads = {2, 3, 0, 1, 6, 7, 4, 5};
+  const i8 halves = {4, 5, 6, 7, 0, 1, 2, 3};
+  v += __builtin_shuffle(v, pairs);
+  v += __builtin_shuffle(v, quads);
+  return (v + __builtin_shuffle(v, halves))[0];
+}
+
+/* Lane-wise max that keeps cur where x is not greater (a NaN in x is skipped). */
+static inline f8 max8(f8 cur, f8 x) {
+  i8 greater = x > cur;
+  return (f8)(((i8)x & greater) | ((i8)cur & ~greater));
+}
+
+static inline float hmax8(f8 v) {
+  const i8 pairs = {1, 0, 3, 2, 5, 4, 7, 6}, quads = {2, 3, 0, 1, 6, 7, 4, 5};
+  const i8 halves = {4, 5, 6, 7, 0, 1, 2, 3};
+  v = max8(v, __builtin_shuffle(v, pairs));
+  v = max8(v, __builtin_shuffle(v, quads));
+  return max8(v, __builtin_shuffle(v, halves))[0];
+}
+
 /* A panel's rows as the fewest tile groups of at most mr_max rows, their sizes apart by
  * at most one (16 rows of 12 at most: 8 + 8, not 12 + 4): group g has group_rows(). */
 typedef struct {
