@@ -132,8 +132,14 @@ static inline long next_piece_lines(long K, long k0, long kc) {
 }
 
 /* Rows in panels of about MC_BYTES of input, so that a panel stays in L2 while every
- * strip of the weight streams past it (prefill: thousands of rows). */
-#define MC_BYTES (512 * 1024)
+ * strip of the weight streams past it (prefill: thousands of rows). A quarter of a Zen 3
+ * core's 512 KiB L2: a panel that filled it spilled to the shared L3, where the decode
+ * worker's weight stream on the other core evicts it. With such a neighbour, a prefill
+ * worker's thread ran 2-3% faster at 128 KiB than at 512 (alternated in one process;
+ * neutral alone on one thread). Smaller panels stream each weight once per 50-odd
+ * rows instead of 200-odd: ~3 GB/s more reads at prefill's pace, which left the
+ * neighbour's own stream unchanged within its noise. */
+#define MC_BYTES (128 * 1024)
 
 static void gemm_strips(const float *x, long ldx, long M, long K, const float *w, long s0,
                         long s1, const float *bias, float *y, long ldy, int accumulate) {
