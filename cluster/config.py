@@ -51,6 +51,14 @@ class ClusterConfig(ModelSettings):
     machine's cores shared evenly by the workers that serve at once (a colocated worker
     alone gets them all; 1 prefill + 1 decode worker on 2 cores get one each), at least
     1. Set it on a multi-node cluster, whose nodes may differ from the driver's."""
+    pin_cores: bool = True
+    """On a CPU cluster started here in disaggregated mode, give each worker its own
+    cores and keep the frontend and Ray's own processes on the cores no worker has, or
+    else on the decode workers', off the prefill workers', which set the pace under load
+    (cluster/core_plan.py). On 2 cores at 16 streams it served 6-8% more; at one stream
+    the decode worker shares its core and TPOT rose ~3 ms (docs/benchmarks.md). Nothing
+    is pinned on GPU pools, a joined Ray cluster, with warm spares, or with more worker
+    threads than cores."""
     gpus_per_worker: float = 0.0
     """GPUs per worker on GPU pools; 0 runs on CPU."""
     prefill_kv_blocks: int = 1024
@@ -290,11 +298,15 @@ class ClusterConfig(ModelSettings):
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"transport_options: {exc}") from exc
 
-    def worker_spec(self, worker_id: str, role: WorkerRole) -> WorkerSpec:
-        """What the controller hands the worker `worker_id` at start."""
+    def worker_spec(
+        self, worker_id: str, role: WorkerRole, cpu_cores: tuple[int, ...] | None = None
+    ) -> WorkerSpec:
+        """What the controller hands the worker `worker_id` at start (`cpu_cores`: its
+        cores in the controller's `CorePlan`, if it made one)."""
         return WorkerSpec(
             worker_id=worker_id,
             role=role,
+            cpu_cores=cpu_cores,
             engine=self.engine_config("prefill" if role == "prefill" else "decode"),
             transport=self.transport,
             transport_options=None if role == "colocated" else self.kv_transport_options(),

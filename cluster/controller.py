@@ -35,9 +35,11 @@ import time
 import ray
 
 from cluster.config import ClusterConfig
+from cluster.core_plan import CorePlan, plan_cores
 from cluster.prestarted import PrestartedProcesses
 from cluster.router import WorkerInfo
 from decode_worker.worker import DecodeWorker
+from engine.cpu_affinity import pin_process, process_cores
 from prefill_worker.worker import PrefillWorker
 
 logger = logging.getLogger(__name__)
@@ -54,6 +56,10 @@ class Controller:
         self.config = config
         self.workers: dict[str, WorkerInfo] = {}
         self.started_ray = False
+        self.core_plan: CorePlan | None = None
+        """Each worker's cores, when this controller started Ray and pinning applies."""
+        self.driver_cores: tuple[int, ...] = ()
+        """This process's cores before the plan moved it (given back at shutdown)."""
         self.watch_task: asyncio.Task | None = None
         self.restart_tasks: dict[str, asyncio.Task] = {}
         self.death_watches: dict[str, asyncio.Task] = {}
@@ -69,6 +75,7 @@ class Controller:
                 address=self.config.address, namespace=self.config.namespace, log_to_driver=False
             )
         else:
+            self._pin_cores()
             ray.init(
                 namespace=self.config.namespace,
                 num_cpus=os.cpu_count(),
@@ -80,6 +87,21 @@ class Controller:
                 log_to_driver=False,
             )
             self.started_ray = True
+
+    def _pin_cores(self) -> None:
+        """Before a local `ray.init`: plan each worker's cores and move this process (and
+        so the Ray processes it starts) onto the others (cluster/core_plan.py)."""
+        self.driver_cores = process_cores()
+        self.core_plan = plan_cores(self.config, self.driver_cores)
+        if self.core_plan is not None:
+            pin_process(self.core_plan.others)
+            logger.info(
+                "cores: %s; driver and Ray on %s", self.core_plan.workers, self.core_plan.others
+            )
+
+    def _worker_spec(self, worker: WorkerInfo):
+        cores = self.core_plan.cores_of(worker.worker_id) if self.core_plan else None
+        return self.config.worker_spec(worker.worker_id, worker.role, cores)
 
     async def start(self) -> None:
         self.init_ray()
@@ -116,8 +138,7 @@ class Controller:
         worker.generation += 1
         # A restarted worker gets a fresh name: the dead actor's name is released lazily.
         name = f"pdserve-{worker.worker_id}-g{worker.generation - 1}"
-        spec = self.config.worker_spec(worker.worker_id, worker.role)
-        return self._start_actor(worker.role, name, 1.0, spec)
+        return self._start_actor(worker.role, name, 1.0, self._worker_spec(worker))
 
     def _start_prestarted(self, role: str, name: str):
         """A process for `PrestartedProcesses`: imports done, nothing built. It asks for a
@@ -147,7 +168,7 @@ class Controller:
         worker.generation += 1
         worker.handle = handle
         self.prestarted.refill_later(worker.role, self.config.standby_restart_delay_s)
-        await handle.activate.remote(self.config.worker_spec(worker.worker_id, worker.role))
+        await handle.activate.remote(self._worker_spec(worker))
 
     async def _first_health(self, worker: WorkerInfo, restarted: bool = False) -> None:
         worker.load = await worker.handle.check_health.remote()
@@ -173,6 +194,9 @@ class Controller:
         if self.started_ray:
             ray.shutdown()
             self.started_ray = False
+        if self.core_plan is not None:
+            pin_process(self.driver_cores)
+            self.core_plan = None
 
     # --- watching ---------------------------------------------------------------------
 

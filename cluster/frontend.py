@@ -486,6 +486,7 @@ def _liveness(worker) -> dict:
         "dead_for_s": _since(worker.dead_since),
         "alive_for_s": _since(worker.alive_since) if worker.alive else None,
         "pid": load.pid if load else None,
+        "cpu_cores": list(load.cpu_cores) if load else None,
         "node_id": load.node_id if load else None,
         "last_transfer": load.last_transfer if load else {},
     }

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
+from engine.cpu_affinity import pin_process
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from engine.worker_health import StartupTimer, step_trace
@@ -28,11 +29,17 @@ class EngineActor:
         Python and every import, `transport`'s module included, are up, but nothing is
         built until `activate`."""
         if spec is not None:
-            self._build(spec, StartupTimer())
+            self._start(spec, StartupTimer())
         elif transport is not None:
             from kv_transfer.registry import preload
 
             preload(transport)
+
+    def _start(self, spec: WorkerSpec, timer: StartupTimer) -> None:
+        # Pinned before the build: the OpenMP threads the engine starts inherit the cores.
+        if spec.cpu_cores is not None:
+            pin_process(spec.cpu_cores)
+        self._build(spec, timer)
 
     def _build(self, spec: WorkerSpec, timer: StartupTimer) -> None:
         """Build the engine and the transport for `spec`, lapping `timer` after each."""
@@ -44,7 +51,7 @@ class EngineActor:
         build runs on the event loop: nothing else reaches a process before this."""
         if self.spec is not None:
             raise RuntimeError(f"already activated as {self.spec.worker_id}")
-        self._build(spec, StartupTimer(prestarted=True))
+        self._start(spec, StartupTimer(prestarted=True))
         return self.startup
 
     def _make_loop(self) -> EngineLoop:

@@ -10,6 +10,7 @@ import dataclasses
 import os
 import time
 
+from engine.cpu_affinity import process_cores
 from engine.engine_loop import EngineLoop
 from engine.gpu_stats import read_gpu_stats
 from engine.llm_engine import LLMEngine
@@ -41,6 +42,7 @@ def health_report(
         num_threads=engine.num_threads,
         pid=os.getpid(),
         node_id=node_id(),
+        cpu_cores=process_cores(),
         batch_sizes={"prefill": stats.prefill_batch_sizes, "decode": stats.decode_batch_sizes},
         gpu=read_gpu_stats(engine.config.device),
         transfer=transfer,

@@ -147,6 +147,8 @@ class HealthReport:
     num_threads: int
     pid: int
     node_id: str | None = None
+    cpu_cores: tuple[int, ...] = ()
+    """The cores the worker's engine thread may run on (`pin_cores`)."""
     batch_sizes: dict[str, dict[int, int]] = field(default_factory=dict)
     """`prefill` / `decode` -> {batch size: steps}."""
     gpu: dict | None = None

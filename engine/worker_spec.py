@@ -33,6 +33,8 @@ class WorkerSpec:
     """Bound on one KV fetch (decode workers)."""
     on_transfer_failure: TransferFailurePolicy
     """A failed import: `recompute` the prompt here, or `fail` the request."""
+    cpu_cores: tuple[int, ...] | None = None
+    """The cores this worker's threads run on (`cluster.core_plan`); None: any."""
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "colocated"):
@@ -43,6 +45,8 @@ class WorkerSpec:
             raise ValueError("transfer_timeout_s must be positive")
         if self.on_transfer_failure not in ("recompute", "fail"):
             raise ValueError(f"unknown on_transfer_failure {self.on_transfer_failure!r}")
+        if self.cpu_cores is not None and (not self.cpu_cores or min(self.cpu_cores) < 0):
+            raise ValueError(f"cpu_cores must name cores, not {self.cpu_cores!r}")
 
     @property
     def device(self) -> str:

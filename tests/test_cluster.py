@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 import ray
 
 from cluster.cluster import PDCluster
+from engine.cpu_affinity import pinning_supported, process_cores
 from engine.native.ops import native_kernels
 from tests.cluster_helpers import (
     GREEDY,
     assert_cluster_leak_free,
+    collect,
     generate_all,
     mixed_prompts,
     reference_outputs,
@@ -126,6 +129,40 @@ def test_workers_use_the_configured_thread_count_and_report_timings(tiny_llama_d
     assert timings["prefill_worker"] == "prefill-0" and timings["decode_worker"] == "decode-0"
     for phase in ("prefill_queue_s", "prefill_s", "kv_transfer_s", "ttft_s", "decode_s", "e2e_s"):
         assert timings[phase] is not None and timings[phase] >= 0, phase
+
+
+def _thread_cores(pid: int) -> set[tuple[int, ...]]:
+    """The distinct core sets of process `pid`'s threads."""
+    return {
+        tuple(sorted(os.sched_getaffinity(int(tid)))) for tid in os.listdir(f"/proc/{pid}/task")
+    }
+
+
+@pytest.mark.skipif(
+    not pinning_supported() or len(process_cores()) < 2, reason="needs Linux and two cores"
+)
+def test_each_worker_runs_on_its_own_cores_and_the_driver_gets_its_back(tiny_llama_dir, reference):
+    """1 + 1 workers of one thread: the prefill worker alone on the first core, the decode
+    worker, this driver and Ray's processes on the second; the driver's cores come back
+    at shutdown, and outputs are unchanged."""
+    prompts, expected = reference
+    cores = process_cores()
+    config = tiny_cluster_config(tiny_llama_dir, transport="shm")
+
+    async def scenario(cluster):
+        workers = cluster.controller.workers
+        loads = {wid: await w.handle.check_health.remote() for wid, w in workers.items()}
+        tokens, _ = await collect(cluster, prompts[7])
+        during = {wid: _thread_cores(load.pid) for wid, load in loads.items()}
+        reported = {wid: load.cpu_cores for wid, load in loads.items()}
+        return during, reported, _thread_cores(os.getpid()), tokens
+
+    during, reported, driver, tokens = run_cluster(config, scenario)
+    assert during == {"prefill-0": {cores[:1]}, "decode-0": {cores[1:2]}}
+    assert reported == {"prefill-0": cores[:1], "decode-0": cores[1:2]}
+    assert driver == {cores[1:2]}
+    assert process_cores() == cores
+    assert tokens == expected[7]
 
 
 @pytest.mark.parametrize("policy", ["least_loaded", "round_robin"])

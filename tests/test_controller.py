@@ -11,6 +11,7 @@ import pytest
 
 from cluster.config import ClusterConfig, ConfigError
 from cluster.controller import Controller
+from cluster.core_plan import plan_cores
 from cluster.router import Router, WorkerInfo
 from engine.worker_messages import HealthReport
 
@@ -155,3 +156,30 @@ def test_a_restart_takes_a_prestarted_process_and_replaces_it_later():
 def test_prestarted_processes_are_for_cpu_pools_only():
     with pytest.raises(ConfigError, match="standby_workers"):
         ClusterConfig(prestarted_workers=1, gpus_per_worker=1)
+
+
+def test_each_worker_gets_its_own_cores_prefill_first():
+    plan = plan_cores(ClusterConfig(), (0, 1))
+    assert plan.workers == {"prefill-0": (0,), "decode-0": (1,)}
+    assert plan.others == (1,)  # no core is left over: the decode worker's
+    wide = plan_cores(
+        ClusterConfig(prefill_workers=2, decode_workers=1, threads_per_worker=2), tuple(range(8))
+    )
+    assert wide.workers == {"prefill-0": (0, 1), "prefill-1": (2, 3), "decode-0": (4, 5)}
+    assert wide.others == (6, 7)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(pin_cores=False),
+        dict(mode="colocated"),
+        dict(gpus_per_worker=1.0),
+        dict(address="ray://head:10001"),
+        dict(standby_workers=1),
+        dict(prefill_workers=2, decode_workers=2, threads_per_worker=1),  # 4 threads, 2 cores
+    ],
+    ids=["off", "colocated", "gpu", "joined", "spares", "more-threads-than-cores"],
+)
+def test_no_core_plan_where_it_cannot_hold(settings):
+    assert plan_cores(ClusterConfig(**settings), (0, 1)) is None

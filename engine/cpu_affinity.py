@@ -1,0 +1,39 @@
+"""Keep a process's threads on a set of cores (Linux; elsewhere a no-op).
+
+A local CPU cluster gives each worker its own cores (`cluster/core_plan.py`): the
+controller pins the driver before Ray starts, so that Ray's own processes inherit its
+cores, and each worker pins itself before it builds its engine, so that the OpenMP
+threads its first step creates inherit the worker's cores.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+
+def pinning_supported() -> bool:
+    return hasattr(os, "sched_setaffinity") and os.path.isdir("/proc/self/task")
+
+
+def process_cores() -> tuple[int, ...]:
+    """The cores this process's calling thread may run on, sorted."""
+    if not hasattr(os, "sched_getaffinity"):
+        return tuple(range(os.cpu_count() or 1))
+    return tuple(sorted(os.sched_getaffinity(0)))
+
+
+def pin_process(cores: Iterable[int]) -> None:
+    """Every thread of this process, and every thread they start later, on `cores`.
+
+    `sched_setaffinity` moves one thread; a thread started later inherits its starter's
+    cores, so each thread that exists now is moved by its id. A thread that ends
+    meanwhile is skipped."""
+    wanted = set(cores)
+    if not wanted or not pinning_supported():
+        return
+    for name in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(name), wanted)
+        except (ProcessLookupError, PermissionError):
+            continue
