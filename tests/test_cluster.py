@@ -147,7 +147,7 @@ def test_each_worker_runs_on_its_own_cores_and_the_driver_gets_its_back(tiny_lla
     at shutdown, and outputs are unchanged."""
     prompts, expected = reference
     cores = process_cores()
-    config = tiny_cluster_config(tiny_llama_dir, transport="shm")
+    config = tiny_cluster_config(tiny_llama_dir, transport="shm", pin_cores=True)
 
     async def scenario(cluster):
         workers = cluster.controller.workers
