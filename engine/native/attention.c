@@ -18,7 +18,7 @@
  * that they share out evenly over a team of two or four, each at least MIN_SPAN_BLOCKS
  * long, since a span's first block comes in unprefetched and its partial result costs a
  * merge. At batch 1 and ~270 tokens (17 blocks), two spans of nine blocks took a
- * tenth off the attention of a Zen 3 step in place (0.72-0.73 against 0.78-0.85 ms over
+ * tenth off the attention of a Zen 3 step in place (0.72-0.73 against 0.78-0.87 ms over
  * 30 layers, alternated in one process), against six spans of three (eight planned).
  * Eight-wide vectors whatever the ISA: head dims are multiples of 8 and the score
  * reduction is written for 8.
