@@ -298,6 +298,20 @@ class ClusterConfig(ModelSettings):
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"transport_options: {exc}") from exc
 
+    def planned_workers(self) -> list[tuple[str, WorkerRole, bool]]:
+        """(worker id, role, standby) of every worker the controller starts, prefill
+        workers first; ids are `{role}-{index within role}`."""
+        spares = self.standby_workers
+        if self.mode == "colocated":
+            roles: list[tuple[WorkerRole, int]] = [("colocated", self.decode_workers)]
+        else:
+            roles = [("prefill", self.prefill_workers), ("decode", self.decode_workers)]
+        return [
+            (f"{role}-{i}", role, i >= active)
+            for role, active in roles
+            for i in range(active + spares)
+        ]
+
     def worker_spec(
         self, worker_id: str, role: WorkerRole, cpu_cores: tuple[int, ...] | None = None
     ) -> WorkerSpec:

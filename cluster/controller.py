@@ -105,8 +105,7 @@ class Controller:
 
     async def start(self) -> None:
         self.init_ray()
-        for role, index, standby in self._planned_workers():
-            worker_id = f"{role}-{index}"
+        for worker_id, role, standby in self.config.planned_workers():
             worker = WorkerInfo(worker_id, role, handle=None, standby=standby)
             worker.handle = self._spawn(worker)
             self.workers[worker_id] = worker
@@ -114,18 +113,6 @@ class Controller:
         self.watch_task = asyncio.get_running_loop().create_task(self._watch())
         for role in {w.role for w in self.workers.values()}:  # after the workers: off their start
             self.prestarted.fill(role)
-
-    def _planned_workers(self) -> list[tuple[str, int, bool]]:
-        """(role, index within role, standby) of every worker to start."""
-        spares = self.config.standby_workers
-        if self.config.mode == "colocated":
-            roles = [("colocated", self.config.decode_workers)]
-        else:
-            roles = [
-                ("prefill", self.config.prefill_workers),
-                ("decode", self.config.decode_workers),
-            ]
-        return [(role, i, i >= active) for role, active in roles for i in range(active + spares)]
 
     def _target(self, role: str) -> int:
         """Workers of `role` that take requests at full strength."""

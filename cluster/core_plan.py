@@ -45,11 +45,12 @@ def plan_cores(config: ClusterConfig, cores: Sequence[int]) -> CorePlan | None:
     if config.mode != "disaggregated" or config.standby_workers > 0:
         return None
     threads = config.worker_threads
-    ids = [f"prefill-{i}" for i in range(config.prefill_workers)]
-    ids += [f"decode-{i}" for i in range(config.decode_workers)]
-    if len(ids) * threads > len(cores):
+    planned = config.planned_workers()  # no spares here: every one serves
+    if len(planned) * threads > len(cores):
         return None
-    workers = {wid: tuple(cores[i * threads : (i + 1) * threads]) for i, wid in enumerate(ids)}
-    spare = tuple(cores[len(ids) * threads :])
-    decode = tuple(c for wid, mine in workers.items() if wid.startswith("decode") for c in mine)
+    workers = {
+        wid: tuple(cores[i * threads : (i + 1) * threads]) for i, (wid, _, _) in enumerate(planned)
+    }
+    spare = tuple(cores[len(planned) * threads :])
+    decode = tuple(c for wid, role, _ in planned if role == "decode" for c in workers[wid])
     return CorePlan(workers, spare or decode)

@@ -159,7 +159,7 @@ def test_prestarted_processes_are_for_cpu_pools_only():
 
 
 def test_each_worker_gets_its_own_cores_prefill_first():
-    plan = plan_cores(ClusterConfig(), (0, 1))
+    plan = plan_cores(ClusterConfig(threads_per_worker=1), (0, 1))  # not this machine's
     assert plan.workers == {"prefill-0": (0,), "decode-0": (1,)}
     assert plan.others == (1,)  # no core is left over: the decode worker's
     wide = plan_cores(
