@@ -200,6 +200,19 @@ static void silu_mul_row(const float *x, long K, float *out) {
   for (; k < K; k++) out[k] = x[k] / (1.0f + sexp(-x[k])) * x[K + k];
 }
 
+/* A one-row projection (batch-1 decode) runs its prologue on every thread, each into its
+ * own stack copy, instead of on one thread into the shared scratch behind a barrier:
+ * the same float ops, so the same values, and 60 fewer barriers in a demo-model step.
+ * Rows wider than this (the K of a very wide MLP) take the shared scratch. */
+#define PROLOGUE_OWN_MAX 16384
+
+static void prologue_row(const linear_args *a, const float *x, float *out) {
+  if (a->prologue == PROLOGUE_RMSNORM)
+    rmsnorm_row(x, a->K, a->norm_weight, a->eps, out);
+  else
+    silu_mul_row(x, a->K, out);
+}
+
 void linear_team(const linear_args *a, int t, int nt) {
   if (a->weights_bf16) {
     linear_team_bf16(a, t, nt);
@@ -208,17 +221,17 @@ void linear_team(const linear_args *a, int t, int nt) {
   long K = a->K, strips = (a->N + PD_NR - 1) / PD_NR, full = a->N / PD_NR;
   const float *in = a->prologue == PROLOGUE_NONE ? a->x : a->scratch;
   long ldin = a->prologue == PROLOGUE_NONE ? a->ldx : K;
-  if (a->prologue != PROLOGUE_NONE) {
-    for (long m = t; m < a->M; m += nt) {
-      if (a->prologue == PROLOGUE_RMSNORM)
-        rmsnorm_row(a->x + m * a->ldx, K, a->norm_weight, a->eps, a->scratch + m * K);
-      else
-        silu_mul_row(a->x + m * a->ldx, K, a->scratch + m * K);
-    }
+  int own_row = a->prologue != PROLOGUE_NONE && a->M == 1 && K <= PROLOGUE_OWN_MAX;
+  float own[own_row ? K : 1];
+  if (own_row) {
+    prologue_row(a, a->x, own);
+    in = own;
+  } else if (a->prologue != PROLOGUE_NONE) {
+    for (long m = t; m < a->M; m += nt) prologue_row(a, a->x + m * a->ldx, a->scratch + m * K);
 #pragma omp barrier
   }
-  long per = (strips + nt - 1) / nt;
-  long s0 = t * per, s1 = s0 + per < full ? s0 + per : full;
+  long s0, s1;
+  team_strips(a->N, t, nt, &s0, &s1);
   if (s0 < s1) {
     if (a->M == 1)
       gemv_strips(in, a->w, K, s0, s1, a->bias, a->y, a->accumulate);

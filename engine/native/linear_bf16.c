@@ -213,8 +213,8 @@ void linear_team_bf16(const linear_args *a, int t, int nt) {
   const uint16_t *w = (const uint16_t *)a->w;
   for (long m = t; m < a->M; m += nt) row_to_bf16(a, m, in + m * K2);
 #pragma omp barrier
-  long per = (strips + nt - 1) / nt;
-  long s0 = t * per, s1 = s0 + per < full ? s0 + per : full;
+  long s0, s1;
+  team_strips(a->N, t, nt, &s0, &s1);
   const uint32_t *pairs = (const uint32_t *)in;
   if (s0 < s1) {
     if (a->M == 1)

@@ -206,6 +206,15 @@ typedef struct {
   int weights_bf16; /* w packed as bf16 pairs (linear_bf16.c); scratch holds M * K floats */
 } linear_args;
 
+/* The full strips [s0, s1) of an N-column projection that thread t of nt computes; the
+ * last thread also takes the columns of a partial strip at the end. So thread t writes
+ * columns [s0 * PD_NR, s1 * PD_NR), the last thread's running on to N. */
+static inline void team_strips(long N, int t, int nt, long *s0, long *s1) {
+  long strips = (N + PD_NR - 1) / PD_NR, full = N / PD_NR, per = (strips + nt - 1) / nt;
+  *s0 = t * per < full ? t * per : full;
+  *s1 = *s0 + per < full ? *s0 + per : full;
+}
+
 /* Ends without a barrier: the caller waits before reading y. */
 void linear_team(const linear_args *a, int t, int nt);
 void linear_team_bf16(const linear_args *a, int t, int nt);
