@@ -455,6 +455,7 @@ class LLMEngine:
                 [len(s.output_token_ids) for s in seqs],
                 [self._history(s) for s in seqs],
                 [s.guide for s in seqs],
+                argmax=result.greedy,
             )
             outputs = [
                 self._append_token(seq, token, logprobs)

@@ -40,6 +40,7 @@ from engine.layer_ops import (
     make_layer_ops,
 )
 from engine.model_spec import ModelSpec
+from engine.native.decode_step import DecodeRows, FusedDecode, FusedStep
 from engine.rope import RotaryEmbedding
 from engine.threads import ThreadChoice
 from engine.weight_cache import load_prepared_weights
@@ -92,13 +93,11 @@ class LlamaForward:
         self.heads = HeadSizes(spec.num_heads, spec.num_kv_heads, spec.head_dim)
         self.thread_choice: ThreadChoice | None = None
         self.pin_threads = False
+        """True: every step runs on torch's configured thread count (benchmarks)."""
         self.last_threads = 0
         """Threads the latest native CPU step ran on (0: not chosen), for the step trace."""
-        """True: every step runs on torch's configured thread count (benchmarks)."""
-        self.fused_decode = None
+        self.fused_decode: FusedDecode | None = None
         if self.ops.name == "native" and attention.name == "native":
-            from engine.native.decode_step import FusedDecode
-
             self.fused_decode = FusedDecode(self.ops.kernels, self)
 
     def _check_kv_dtype(self) -> None:
@@ -129,10 +128,8 @@ class LlamaForward:
         if self.ops.name != "native":
             return self._step(input_ids, positions, meta, kv_pool, logits_rows)
         configured = torch.get_num_threads()
-        if self.thread_choice is None or max(self.thread_choice.counts) != configured:
-            self.thread_choice = ThreadChoice(configured, pinned=self.pin_threads)
         key = (not meta.prefill_chunks, input_ids.shape[0].bit_length())
-        threads = self.last_threads = self.thread_choice.pick(key)
+        threads = self._pick_threads(key, configured)
         torch.set_num_threads(threads)
         start = time.perf_counter()
         try:
@@ -142,12 +139,32 @@ class LlamaForward:
         self.thread_choice.record(key, threads, time.perf_counter() - start)
         return logits
 
+    def decode(self, rows: DecodeRows, kv_pool: KVCachePool) -> FusedStep | None:
+        """A decode-only step on the fused native kernel, from plain ints: the engine's
+        path for such steps (`ModelRunner.run`), on the thread count `forward` would pick.
+        None where there is no fused kernel (`fused_decode`) or it declines the shapes."""
+        if self.fused_decode is None:
+            return None
+        key = (True, len(rows.tokens).bit_length())
+        threads = self._pick_threads(key, torch.get_num_threads())
+        start = time.perf_counter()
+        step = self.fused_decode.run(rows, kv_pool, threads)
+        self.thread_choice.record(key, threads, time.perf_counter() - start)
+        return step
+
+    def _pick_threads(self, key, configured: int) -> int:
+        if self.thread_choice is None or max(self.thread_choice.counts) != configured:
+            self.thread_choice = ThreadChoice(configured, pinned=self.pin_threads)
+        self.last_threads = self.thread_choice.pick(key)
+        return self.last_threads
+
     def _step(self, input_ids, positions, meta, kv_pool, logits_rows) -> torch.Tensor:
         every_row_samples = logits_rows.shape[0] == input_ids.shape[0]
         if self.fused_decode is not None and not meta.prefill_chunks and every_row_samples:
-            logits = self.fused_decode.run(input_ids, positions, meta, kv_pool)
-            if logits is not None:
-                return logits
+            rows = DecodeRows.of_step(input_ids, positions, meta)
+            step = self.fused_decode.run(rows, kv_pool, torch.get_num_threads())
+            if step is not None:
+                return step.logits.clone()  # the fused buffer is reused; callers keep these
         self.ops.begin_step()
         hidden = self.ops.embed(input_ids, self.weights.embed)
         for index, layer in enumerate(self.weights.layers):

@@ -4,7 +4,10 @@ Decode pieces (one token) go first and are attended in one batched call; prefill
 pieces follow, each attending to its own cached context. Logits are computed only
 for sequences whose piece reaches their last known token, since only they sample.
 On CUDA, decode-only steps replay a captured graph per batch-size bucket
-(`engine.cuda_graphs`) when enabled; everywhere else the step runs eagerly.
+(`engine.cuda_graphs`) when enabled; everywhere else the step runs eagerly. On the
+native CPU kernels a decode-only step skips the tensors: its rows go to the fused
+kernel as plain ints (`decode_rows`, `LlamaForward.decode`), which also returns each
+row's greedy token.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 from engine.attention import AttentionMetadata, PrefillChunk
 from engine.kv_cache import KVCachePool
 from engine.model import LlamaForward
+from engine.native.decode_step import DecodeRows
 from engine.scheduler import ScheduledChunk
 from engine.sequence import Sequence
 
@@ -23,11 +27,13 @@ from engine.sequence import Sequence
 @dataclass
 class StepResult:
     logits: torch.Tensor
-    """[len(sampling_seqs), vocab] float32."""
+    """[len(sampling_seqs), vocab] float32, valid until the next step."""
     sampling_seqs: list[Sequence]
     prompt_logits: list[tuple[Sequence, int, torch.Tensor]] = field(default_factory=list)
     """(sequence, first position, logits [positions, vocab]) for sequences that want
     prompt logprobs (`Sequence.prompt_logprobs`); empty on every other step."""
+    greedy: list[int] | None = None
+    """Each row's argmax, where the step computed it (the fused decode kernel)."""
 
 
 @dataclass
@@ -63,6 +69,10 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, kv_pool)
 
     def run(self, chunks: list[ScheduledChunk]) -> StepResult:
+        rows = self.decode_rows(chunks) if self.model.fused_decode is not None else None
+        fused = self.model.decode(rows, self.kv_pool) if rows is not None else None
+        if fused is not None:
+            return StepResult(fused.logits, [c.seq for c in chunks], greedy=fused.greedy)
         step = self.build_step(chunks)
         graphed = step.decode_only and not step.prompt_rows
         if self.graphs is not None and graphed and self.graphs.covers(step):
@@ -124,6 +134,27 @@ class ModelRunner:
             sampling_seqs,
             [(seq, first, count) for seq, first, count, _ in prompt_rows],
         )
+
+    def decode_rows(self, chunks: list[ScheduledChunk]) -> DecodeRows | None:
+        """The step as plain ints for the fused decode kernel, when every chunk is its
+        sequence's next token (each row samples, none wants prompt logprobs); else None."""
+        block_size = self.kv_pool.block_size
+        tokens, positions, blocks, offsets, lens, tables = [], [], [], [], [], []
+        for chunk in chunks:
+            seq, position = chunk.seq, chunk.seq.num_computed_tokens
+            if chunk.num_new_tokens != 1 or position + 1 != seq.num_tokens:
+                return None
+            if seq.prompt_logprobs is not None:
+                return None
+            tokens += seq.token_slice(position, position + 1)
+            positions.append(position)
+            blocks.append(seq.block_ids[position // block_size])
+            offsets.append(position % block_size)
+            lens.append(position + 1)
+            tables.append(seq.block_ids)
+        width = (max(lens) + block_size - 1) // block_size
+        tables = [_padded(block_ids, width) for block_ids in tables]
+        return DecodeRows(tokens, positions, blocks, offsets, lens, tables)
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -85,10 +85,12 @@ class Sampler:
         output_indices: list[int],
         histories: list[RowHistory] | None = None,
         guides: list[Guide | None] | None = None,
+        argmax: list[int] | None = None,
     ) -> SamplerOutput:
         """The engine's call: tokens and, for rows that asked, logprobs. `histories`
         (prompt and output tokens, EOS ids) and `guides` (grammar state) are needed
-        only by rows whose params shape their logits."""
+        only by rows whose params shape their logits. `argmax`: each row's greedy token
+        where the step computed it (`StepResult.greedy`); used unless a row is shaped."""
         guides = guides or [None] * len(params)
         shaped = [
             i
@@ -105,13 +107,17 @@ class Sampler:
                 [histories[i] for i in shaped] if histories else None,
                 [guides[i] for i in shaped],
             )
-        tokens = self._tokens(logits, params, output_indices)
+        tokens = self._tokens(logits, params, output_indices, None if shaped else argmax)
         return SamplerOutput(tokens, _logprobs(logits, params, tokens))
 
     def _tokens(
-        self, logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int]
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        output_indices: list[int],
+        argmax: list[int] | None,
     ) -> list[int]:
-        tokens = greedy_tokens(logits)
+        tokens = list(argmax) if argmax is not None else greedy_tokens(logits)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
             picked = self._sample_rows(

@@ -32,7 +32,7 @@ def our_greedy_with_logits(engine, prompt: list[int], max_new_tokens: int):
         for chunk in chunks:
             chunk.seq.num_computed_tokens += chunk.num_new_tokens
         if result.sampling_seqs:
-            step_logits.append(result.logits[0])
+            step_logits.append(result.logits[0].clone())  # valid until the next step
             engine._append_token(result.sampling_seqs[0], int(result.logits[0].argmax()))
     return torch.stack(step_logits)
 

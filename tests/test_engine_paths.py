@@ -439,24 +439,72 @@ def test_fused_decode_step_matches_per_operation_path_on_any_thread_count(tiny_l
 
 
 @needs_native
-def test_fused_decode_scratch_kept_from_a_larger_step_gives_the_same_logits(tiny_llama_dir):
-    """The fused step keeps its scratch buffers at the most rows it has seen; a smaller
-    step after a larger one computes exactly what a fresh instance does."""
+def test_fused_decode_buffers_kept_from_a_larger_step_give_the_same_logits(tiny_llama_dir):
+    """The fused step keeps its scratch, logits and int buffers at the most rows it has
+    seen; a smaller step after a larger one computes exactly what a fresh instance does,
+    and its greedy tokens are numpy's argmax of its logits."""
     from engine.native.decode_step import FusedDecode
 
     engine = make_engine(tiny_llama_dir)
     chunks = _decode_step_inputs(engine, [5, 17, 30])
-    model, pool = engine.model, engine.kv_pool
-    wide = engine.runner.build_step(chunks)
-    narrow = engine.runner.build_step(chunks[1:2])
+    model, pool, runner = engine.model, engine.kv_pool, engine.runner
     kept = model.fused_decode
-    kept.run(wide.input_ids, wide.positions, wide.meta, pool)
-    reused = kept.run(narrow.input_ids, narrow.positions, narrow.meta, pool)
-    fresh = FusedDecode(kept.kernels, model)
-    assert torch.equal(reused, fresh.run(narrow.input_ids, narrow.positions, narrow.meta, pool))
+    wide = kept.run(runner.decode_rows(chunks), pool, 2)
+    assert wide.greedy == wide.logits.numpy().argmax(axis=-1).tolist()
+    reused = kept.run(runner.decode_rows(chunks[1:2]), pool, 2)
+    fresh = FusedDecode(kept.kernels, model).run(runner.decode_rows(chunks[1:2]), pool, 2)
+    assert torch.equal(reused.logits, fresh.logits)
+    assert reused.greedy == fresh.greedy == wide.greedy[1:2]
     for chunk in chunks:
         engine.abort(chunk.seq.request_id)
     assert_no_leaks(engine)
+
+
+@needs_native
+def test_engine_decode_steps_take_the_fused_kernel_with_the_forward_logits(tiny_llama_dir):
+    """The engine's runner hands a decode-only step to the fused kernel as plain ints; its
+    logits equal `forward`'s over the same step's tensors. A step where a row does not
+    sample (a one-token prefill piece) is no fused step."""
+    engine = make_engine(tiny_llama_dir)
+    chunks = _decode_step_inputs(engine, [5, 17, 30])
+    runner = engine.runner
+    step = runner.build_step(chunks)
+    expected = engine.model.forward(
+        step.input_ids, step.positions, step.meta, engine.kv_pool, step.logits_rows
+    )
+    result = runner.run(chunks)
+    assert result.greedy is not None
+    assert torch.equal(result.logits, expected)
+    assert result.sampling_seqs == [c.seq for c in chunks]
+    behind = chunks[0].seq
+    behind.num_computed_tokens -= 1
+    assert runner.decode_rows(chunks) is None
+    behind.num_computed_tokens += 1
+    for chunk in chunks:
+        engine.abort(chunk.seq.request_id)
+    assert_no_leaks(engine)
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_native_greedy_is_numpys_argmax_across_the_threads_columns(threads):
+    """The fused step's greedy tokens come from each thread's columns, merged: the first
+    of equal maxima wins across a thread boundary, a NaN wins over any number (the first
+    NaN), a row of -inf gives 0, and the partial strip's columns count too."""
+    library = native_kernels().library
+    vocab = 5 * library.pd_strip_width() + 3
+    rows = torch.randn(6, vocab)
+    rows[1, [7, vocab - 2]] = 50.0  # ties: the first one, whoever's columns hold them
+    rows[2, vocab // 2 + 1] = float("nan")
+    rows[2, vocab - 1] = float("nan")
+    rows[3] = float("-inf")
+    rows[4, vocab - 1] = 99.0  # in the partial strip
+    rows[5, 3] = float("nan")
+    rows[5, 4] = float("inf")
+    tokens = (ctypes.c_int64 * rows.shape[0])()
+    library.pd_greedy_rows(rows.data_ptr(), rows.shape[0], vocab, tokens, threads)
+    expected = [int(rows[0].argmax()), 7, vocab // 2 + 1, 0, vocab - 1, 3]
+    assert list(tokens) == rows.numpy().argmax(axis=-1).tolist() == expected
 
 
 def test_thread_choice_follows_the_faster_count_and_comes_back():

@@ -1,7 +1,8 @@
 /* A whole decode step (every row a sequence's next token) in one call and one OpenMP
  * parallel region: embedding -> per layer [RMSNorm + qkv, RoPE + KV store, attention
  * over the pool, residual += o_proj, RMSNorm + gate|up, residual += down(SiLU*mul)]
- * -> final RMSNorm + LM head, with a team barrier between phases.
+ * -> final RMSNorm + LM head [-> each row's greedy token], with a team barrier between
+ * phases.
  *
  * The same team functions run prefill steps one call per operation from Python
  * (engine/native/ops.py); at batch 1 the ~150 calls, their Python glue and their
@@ -33,7 +34,8 @@ typedef struct {
   /* step buffers, rows x: hidden, qkv width, heads * head_dim, 2 * intermediate,
    * max(hidden, intermediate), vocab */
   float *residual, *qkv, *attn, *gate_up, *scratch, *logits;
-  int kv_bf16; /* the pool holds bf16 */
+  int kv_bf16;     /* the pool holds bf16 */
+  int64_t *greedy; /* rows: each row's argmax token (greedy.c), or NULL: not wanted */
 } pd_decode_batch;
 
 static void embed_rows(const pd_model *m, const pd_decode_batch *b, int t, int nt) {
@@ -119,6 +121,7 @@ int pd_decode_step(const pd_model *m, const pd_decode_batch *b, int nthreads) {
   if (attention_plan(&att, nthreads)) return -1;
   size_t partial = (size_t)(b->rows * att.spans * attention_partial_stride(&att));
   att.partial = att.spans > 1 ? malloc(sizeof(float) * partial) : 0;
+  column_best *best = b->greedy ? malloc(sizeof(column_best) * (size_t)(b->rows * nthreads)) : 0;
 #pragma omp parallel num_threads(nthreads)
   {
     int t = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -131,8 +134,17 @@ int pd_decode_step(const pd_model *m, const pd_decode_batch *b, int nthreads) {
                                   m->vocab, 0, PROLOGUE_RMSNORM, m->final_norm, m, b, b->logits,
                                   0);
     linear_team(&head, t, nt);
+    if (best) {
+      long c0, c1;
+      team_columns(m->vocab, t, nt, &c0, &c1);
+      for (long r = 0; r < b->rows; r++)
+        best[t * b->rows + r] = best_column(b->logits + r * m->vocab, c0, c1);
+#pragma omp barrier
+      greedy_merge(best, b->rows, b->greedy, t, nt);
+    }
     free(scratch);
   }
+  free(best);
   free(att.partial);
   return 0;
 }

@@ -1,15 +1,22 @@
 """A whole decode step in one native call (`pd_decode_step` in decode_step.c).
 
-`LlamaForward.forward` hands decode-only steps here when both its layer ops and its
-attention are native: the embedding, every layer and the LM head then run in one
-C call and one OpenMP parallel region, instead of ~150 calls with their Python glue
+When a model's layer ops and attention are both native, decode-only steps come here:
+the embedding, every layer, the LM head and each row's greedy token then run in one C
+call and one OpenMP parallel region, instead of ~150 calls with their Python glue
 (~70 us per layer, a tenth of a batch-1 step). Prefill and mixed steps keep the
 operation-by-operation path, where that overhead is noise next to the matmuls.
+
+The engine's path (`ModelRunner` -> `LlamaForward.decode`) hands the step over as plain
+ints (`DecodeRows`) and gets the logits in a buffer kept across steps: a batch-1 step's
+Python runs on caches its 538 MB weight stream has just flushed, where even one small
+`torch.tensor` took ~130 us, against ~30 us for the same lists in plain Python.
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
+from dataclasses import dataclass
 
 import torch
 
@@ -60,7 +67,44 @@ class _DecodeBatch(ctypes.Structure):
         *((name, _L) for name in ("block_stride", "layer_stride", "kind_stride", "block_size")),
         *((name, _P) for name in _BATCH_BUFFERS),
         ("kv_bf16", ctypes.c_int),
+        ("greedy", _P),
     ]
+
+
+@dataclass
+class DecodeRows:
+    """A decode-only step as plain ints, row r being one sequence's next token: what the
+    fused step reads. `ModelRunner` builds it from the scheduler's chunks."""
+
+    tokens: list[int]
+    positions: list[int]
+    slot_blocks: list[int]
+    slot_offsets: list[int]
+    """Where each row's new key and value go: pool block and offset in it."""
+    context_lens: list[int]
+    """Tokens each row attends to, its new one included."""
+    block_tables: list[list[int]]
+    """Each row's blocks, all padded to one width (block 0: masked by the context length)."""
+
+    @classmethod
+    def of_step(cls, input_ids, positions, meta) -> DecodeRows:
+        """The rows of a packed decode-only step's tensors (`LlamaForward.forward`)."""
+        return cls(
+            input_ids.tolist(),
+            positions.tolist(),
+            meta.slot_blocks.tolist(),
+            meta.slot_offsets.tolist(),
+            meta.decode_context_lens.tolist(),
+            meta.decode_block_tables.tolist(),
+        )
+
+
+@dataclass
+class FusedStep:
+    logits: torch.Tensor
+    """[rows, vocab] float32, in `FusedDecode`'s buffer: valid until its next step."""
+    greedy: list[int]
+    """Each row's first largest logit (numpy's argmax, the first NaN where there is one)."""
 
 
 def _address(tensor: torch.Tensor | None) -> int | None:
@@ -106,33 +150,78 @@ class FusedDecode:
         self._scratch_rows = 0
         self._scratch_tensors: list[torch.Tensor] = []
         self._scratch_addresses: tuple[int, ...] = ()
+        self._ints = (ctypes.c_int64 * 0)()
+        self._greedy = (ctypes.c_int64 * 0)()
+        self._logits = torch.empty(0, spec.vocab_size)
+        self._logits_address = 0
+        self._logit_rows: dict[int, torch.Tensor] = {}
+        self._pool_kv: torch.Tensor | None = None
+        self._pool_fields: tuple = ()
+        self._pool_bf16 = False
 
-    def run(self, input_ids, positions, meta, kv_pool) -> torch.Tensor | None:
-        """Logits [rows, vocab] of a step whose rows all decode; None if the kernel
-        declines the shapes (the caller then runs the step operation by operation)."""
-        rows = input_ids.shape[0]
-        buffers = self._scratch(rows)
-        logits = torch.empty(rows, self.spec.vocab_size)  # the caller keeps it
-        kv, tables = kv_pool.kv, meta.decode_block_tables
-        batch = _DecodeBatch(
-            rows,
-            input_ids.data_ptr(),
-            positions.data_ptr(),
-            meta.slot_blocks.data_ptr(),
-            meta.slot_offsets.data_ptr(),
-            tables.data_ptr(),
-            meta.decode_context_lens.data_ptr(),
-            tables.stride(0),
-            kv.data_ptr(),
-            *kv.stride()[:3],
-            kv.shape[3],
-            *buffers,
-            logits.data_ptr(),
-            kv_pool.holds_bf16,
+    def run(self, rows: DecodeRows, kv_pool, threads: int) -> FusedStep | None:
+        """The step's logits and greedy tokens, on `threads` threads; None if the kernel
+        declines the shapes (the caller then runs the step operation by operation).
+        No torch call unless a buffer has to grow: see the module's docstring."""
+        count, width = len(rows.tokens), len(rows.block_tables[0])
+        ints = self._int_buffer(count * (5 + width))
+        flat = [
+            *rows.tokens,
+            *rows.positions,
+            *rows.slot_blocks,
+            *rows.slot_offsets,
+            *rows.context_lens,
+            *itertools.chain.from_iterable(rows.block_tables),
+        ]
+        ints[: len(flat)] = flat
+        base, size = ctypes.addressof(ints), ctypes.sizeof(ctypes.c_int64)
+        tokens, positions, blocks, offsets, lens, tables = (
+            base + part * count * size for part in range(6)
         )
-        threads = torch.get_num_threads()
-        status = self.library.pd_decode_step(ctypes.byref(self.model), ctypes.byref(batch), threads)
-        return None if status else logits
+        pool = self._pool(kv_pool)
+        batch = _DecodeBatch(
+            count,
+            tokens,
+            positions,
+            blocks,
+            offsets,
+            tables,
+            lens,
+            width,
+            *pool,
+            *self._scratch(count),
+            self._logits_buffer(count),
+            self._pool_bf16,
+            ctypes.addressof(self._greedy),
+        )
+        if self.library.pd_decode_step(ctypes.byref(self.model), ctypes.byref(batch), threads):
+            return None
+        return FusedStep(self._logit_rows[count], self._greedy[:count])
+
+    def _int_buffer(self, length: int) -> ctypes.Array:
+        if length > len(self._ints):
+            self._ints = (ctypes.c_int64 * (2 * length))()
+        return self._ints
+
+    def _logits_buffer(self, rows: int) -> int:
+        """Address of the logits buffer, grown to `rows` (with the greedy tokens')."""
+        if rows > len(self._greedy):
+            self._logits = torch.empty(rows, self.spec.vocab_size)
+            self._logits_address = self._logits.data_ptr()
+            self._logit_rows = {}
+            self._greedy = (ctypes.c_int64 * rows)()
+        if rows not in self._logit_rows:
+            self._logit_rows[rows] = self._logits[:rows]
+        return self._logits_address
+
+    def _pool(self, kv_pool) -> tuple:
+        """The pool's address, strides and block size, looked up again only when its tensor
+        changes (a worker moves it into shared memory once)."""
+        kv = kv_pool.kv
+        if kv is not self._pool_kv:
+            self._pool_kv, self._pool_fields = kv, (kv.data_ptr(), *kv.stride()[:3], kv.shape[3])
+            self._pool_bf16 = kv_pool.holds_bf16
+        return self._pool_fields
 
     def _scratch(self, rows: int) -> tuple[int, ...]:
         """Addresses of the step's scratch buffers (every buffer but the logits), kept for

@@ -215,6 +215,8 @@ static inline void team_strips(long N, int t, int nt, long *s0, long *s1) {
   *s1 = *s0 + per < full ? *s0 + per : full;
 }
 
+void team_columns(long N, int t, int nt, long *c0, long *c1);
+
 /* Ends without a barrier: the caller waits before reading y. */
 void linear_team(const linear_args *a, int t, int nt);
 void linear_team_bf16(const linear_args *a, int t, int nt);
@@ -227,6 +229,17 @@ int pd_use_amx(int wanted);
 int amx_takes(long M, long K2);
 void gemm_amx(const uint16_t *x, long M, long K2, const uint16_t *w, long s0, long s1,
               const float *bias, float *y, long ldy, int accumulate);
+
+/* Greedy tokens (greedy.c): a thread's best of row columns [c0, c1) (index -1: none),
+ * and the merge of every thread's bests (best[thread * rows + row]) into tokens. */
+typedef struct {
+  float value;
+  long index;
+  int nan; /* value is the first NaN of the columns */
+} column_best;
+
+column_best best_column(const float *row, long c0, long c1);
+void greedy_merge(const column_best *best, long rows, int64_t *tokens, int t, int nt);
 
 /* Rotate-half RoPE on the q and k heads of rows [0, T) of qkv in place, then copy each
  * row's k and v heads into its pool slot. */

@@ -45,6 +45,7 @@ _SIGNATURES = {
         _I,
     ),
     "pd_copy_xxh3_blocks": ([_P, _P, _L, _L, _P], _I),
+    "pd_greedy_rows": ([_P, _L, _L, _P, _I], None),
 }
 
 
