@@ -19,8 +19,8 @@ static column_best lanes_best(const float *row, long c0, long c1, long *done) {
   for (; c + 8 <= c1; c += 8, at += stride) {
     f8 x = LOAD8(row + c);
     i8 greater = x > peak;
-    peak = (f8)(((i8)x & greater) | ((i8)peak & ~greater));
-    where = (where & ~greater) | (at & greater);
+    peak = select8(greater, x, peak);
+    where = (at & greater) | (where & ~greater);
     nan |= x != x;
   }
   column_best best = {-INFINITY, c0, 0};

@@ -146,28 +146,30 @@ static inline f8 transpose_sum8(const f8 v[8]) {
 }
 
 
+/* v with its lanes swapped in pairs, in pairs of pairs, in halves: the three steps of a
+ * horizontal reduction in transpose_sum8's order. */
+static inline f8 swap_pairs8(f8 v) { return __builtin_shuffle(v, (i8){1, 0, 3, 2, 5, 4, 7, 6}); }
+static inline f8 swap_quads8(f8 v) { return __builtin_shuffle(v, (i8){2, 3, 0, 1, 6, 7, 4, 5}); }
+static inline f8 swap_halves8(f8 v) { return __builtin_shuffle(v, (i8){4, 5, 6, 7, 0, 1, 2, 3}); }
+
 /* v's lanes summed in transpose_sum8's order (pairs, then pairs of pairs, then halves), so
  * either gives the same float. */
 static inline float hsum8(f8 v) {
-  const i8 pairs = {1, 0, 3, 2, 5, 4, 7, 6}, quads = {2, 3, 0, 1, 6, 7, 4, 5};
-  const i8 halves = {4, 5, 6, 7, 0, 1, 2, 3};
-  v += __builtin_shuffle(v, pairs);
-  v += __builtin_shuffle(v, quads);
-  return (v + __builtin_shuffle(v, halves))[0];
+  v += swap_pairs8(v);
+  v += swap_quads8(v);
+  return (v + swap_halves8(v))[0];
 }
+
+/* Lanes of a where mask is set, else of b (mask lanes all ones or all zeros). */
+static inline f8 select8(i8 mask, f8 a, f8 b) { return (f8)(((i8)a & mask) | ((i8)b & ~mask)); }
 
 /* Lane-wise max that keeps cur where x is not greater (a NaN in x is skipped). */
-static inline f8 max8(f8 cur, f8 x) {
-  i8 greater = x > cur;
-  return (f8)(((i8)x & greater) | ((i8)cur & ~greater));
-}
+static inline f8 max8(f8 cur, f8 x) { return select8(x > cur, x, cur); }
 
 static inline float hmax8(f8 v) {
-  const i8 pairs = {1, 0, 3, 2, 5, 4, 7, 6}, quads = {2, 3, 0, 1, 6, 7, 4, 5};
-  const i8 halves = {4, 5, 6, 7, 0, 1, 2, 3};
-  v = max8(v, __builtin_shuffle(v, pairs));
-  v = max8(v, __builtin_shuffle(v, quads));
-  return max8(v, __builtin_shuffle(v, halves))[0];
+  v = max8(v, swap_pairs8(v));
+  v = max8(v, swap_quads8(v));
+  return max8(v, swap_halves8(v))[0];
 }
 
 /* A panel's rows as the fewest tile groups of at most mr_max rows, their sizes apart by
