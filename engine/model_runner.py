@@ -139,7 +139,7 @@ class ModelRunner:
         """The step as plain ints for the fused decode kernel, when every chunk is its
         sequence's next token (each row samples, none wants prompt logprobs); else None."""
         block_size = self.kv_pool.block_size
-        tokens, positions, blocks, offsets, lens, tables = [], [], [], [], [], []
+        tokens, positions, blocks, offsets = [], [], [], []
         for chunk in chunks:
             seq, position = chunk.seq, chunk.seq.num_computed_tokens
             if chunk.num_new_tokens != 1 or position + 1 != seq.num_tokens:
@@ -150,21 +150,22 @@ class ModelRunner:
             positions.append(position)
             blocks.append(seq.block_ids[position // block_size])
             offsets.append(position % block_size)
-            lens.append(position + 1)
-            tables.append(seq.block_ids)
-        width = (max(lens) + block_size - 1) // block_size
-        tables = [_padded(block_ids, width) for block_ids in tables]
+        tables, lens = self._padded_tables(chunks)
         return DecodeRows(tokens, positions, blocks, offsets, lens, tables)
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
     def _decode_tables(self, decode: list[ScheduledChunk]):
+        tables, context_lens = self._padded_tables(decode)
+        return self._tensor(tables), self._tensor(context_lens)
+
+    def _padded_tables(self, decode: list[ScheduledChunk]) -> tuple[list[list[int]], list[int]]:
+        """Decode rows' block tables, padded to the widest, and their context lengths."""
         block_size = self.kv_pool.block_size
         context_lens = [c.seq.num_computed_tokens + 1 for c in decode]
         width = max((n + block_size - 1) // block_size for n in context_lens)
-        tables = [_padded(c.seq.block_ids, width) for c in decode]
-        return self._tensor(tables), self._tensor(context_lens)
+        return [_padded(c.seq.block_ids, width) for c in decode], context_lens
 
     def _prefill_chunks(self, prefill: list[ScheduledChunk], first_row: int) -> list[PrefillChunk]:
         block_size = self.kv_pool.block_size

@@ -68,14 +68,6 @@ void greedy_merge(const column_best *best, long rows, int64_t *tokens, int t, in
   }
 }
 
-/* Columns [c0, c1) thread t of nt writes of an N-column projection (team_strips). */
-void team_columns(long N, int t, int nt, long *c0, long *c1) {
-  long s0, s1;
-  team_strips(N, t, nt, &s0, &s1);
-  *c0 = s0 * PD_NR;
-  *c1 = t == nt - 1 ? N : s1 * PD_NR;
-}
-
 /* tokens[r] = argmax of row r of x [rows][N], split over the team as a projection's
  * columns are (the tests' entry to the fused step's merge). */
 void pd_greedy_rows(const float *x, long rows, long N, int64_t *tokens, int nthreads) {

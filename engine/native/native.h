@@ -217,7 +217,12 @@ static inline void team_strips(long N, int t, int nt, long *s0, long *s1) {
   *s1 = *s0 + per < full ? *s0 + per : full;
 }
 
-void team_columns(long N, int t, int nt, long *c0, long *c1);
+static inline void team_columns(long N, int t, int nt, long *c0, long *c1) {
+  long s0, s1;
+  team_strips(N, t, nt, &s0, &s1);
+  *c0 = s0 * PD_NR;
+  *c1 = t == nt - 1 ? N : s1 * PD_NR;
+}
 
 /* Ends without a barrier: the caller waits before reading y. */
 void linear_team(const linear_args *a, int t, int nt);
