@@ -297,18 +297,25 @@ class BareGrpc:
         import grpc
         import numpy as np
 
-        from kv_transfer.transports.grpc import MESSAGE_BYTES, _channel_options
+        from kv_transfer.transports.grpc import (
+            MESSAGE_BYTES,
+            client_channel_options,
+            server_channel_options,
+        )
 
-        options = _channel_options(_options(chunk))
+        options = _options(chunk)
         ctx = mp.get_context("spawn")
         self.parent, child_conn = ctx.Pipe()
         self.child = ctx.Process(
-            target=_grpc_sender_main, args=(child_conn, max_size, MESSAGE_BYTES, options)
+            target=_grpc_sender_main,
+            args=(child_conn, max_size, MESSAGE_BYTES, server_channel_options(options)),
         )
         self.child.start()
         port = self.parent.recv()
         self.buf = np.empty(max_size, dtype=np.uint8)
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=options)
+        self.channel = grpc.insecure_channel(
+            f"127.0.0.1:{port}", options=client_channel_options(options)
+        )
         self.call = self.channel.unary_stream("/bench.Bare/Stream", lambda b: b, lambda b: b)
         self.seconds_for(min(MIB, max_size))  # the first call connects
 
