@@ -16,8 +16,9 @@ of this shared machine moves by a third within minutes, so a bound probed once p
 batch size could come from another minute than the step): the weights alone (bytes
 streamed per step / read bandwidth: the batch-1 target, the median of the per-run
 ratios) and the lower bound with the KV cache read too. Prefill is tokens/s of 8
-prompts in one batch. Every figure is a median of `--repeats` runs; the CPU and the
-load average are printed.
+prompts in one batch. The KV pool's pages are all mapped before anything is timed, as a
+server maps them from its start. Every figure is a median of `--repeats` runs; the CPU
+and the load average are printed.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from bench.model_shape import DTYPE_BYTES, streamed_weight_params
 from bench.roofline import decode_step
 from bench.timing import load_average, median_of
 from engine.config import EngineConfig
+from engine.engine_loop import PREFAULT_STEP_BYTES
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
@@ -179,12 +181,22 @@ def _engine(args, max_batch: int) -> LLMEngine:
     return engine
 
 
+def _map_pool(engine: LLMEngine) -> None:
+    """Map every page of the KV pool before timing, as a server's warming thread does
+    from its start (`EngineLoop._warm_pool`): otherwise the first write to each page
+    falls in a timed step (~8 ms, in the first layer's KV store, of each 256-token
+    prefill into blocks never used before, Zen 3)."""
+    while engine.kv_pool.prefault(PREFAULT_STEP_BYTES):
+        pass
+
+
 def run_engine_bench(args) -> int:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     if args.threads:  # transformers' runs and the bandwidth probe on the engine's count
         torch.set_num_threads(args.threads)
     load_before = load_average()
     engine = _engine(args, max(batch_sizes))
+    _map_pool(engine)
     result = _new_result(engine, args, load_before)
     _decode_step_ms(engine, 1, 16, 4)  # warm-up: first calls pay for allocator and kernel setup
     for batch in tqdm(batch_sizes, desc="pdserve decode"):
