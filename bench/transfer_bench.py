@@ -7,12 +7,13 @@ and exports a request per repetition; this process is the receiver and times
 a plain TCP socket from a child process into a preallocated buffer, a memcpy between
 two buffers of this process on as many threads as the shm receiver copies with, and
 (`pool-memcpy`, shm only) that copy from the same mapped pages of the sender's pool into
-the same destination blocks, timed in turn with each shm fetch (`grpc-paired` is the
-bare grpcio stream below timed the same way, in turn with each grpc fetch). Library
-ceilings, also from a child process into a preallocated buffer: bare gloo send/recv of
-the same pieces, each transfer behind the same pipe round trip as a fetch (`gloo-bare`),
-and a bare grpcio stream of the same messages
-(`grpc-bare`), with none of our code (no registry, no checksums), so each
+the same destination blocks, timed in turn with each shm fetch (`gloo-paired` and
+`grpc-paired` are the bare libraries below timed the same way, in turn with each
+collective or grpc fetch: on a shared machine a ceiling timed a minute apart from the
+fetch can differ from it by a third). Library ceilings, also from a child process into
+a preallocated buffer: bare gloo send/recv of the same pieces, each transfer behind the
+same pipe round trip as a fetch (`gloo-bare`), and a bare grpcio stream of the same
+messages (`grpc-bare`), with none of our code (no registry, no checksums), so each
 transport's own overhead reads as transport / ceiling. Optional peers, when installed
 (`make peers`): NIXL over UCX and the Mooncake transfer engine over TCP, each reading
 the sender child's registered CPU buffer (bench/transfer_peers.py). Each figure is the
@@ -25,7 +26,9 @@ import argparse
 import json
 import multiprocessing as mp
 import socket
+import statistics
 import time
+from dataclasses import dataclass, field
 
 from bench.hardware import cpu_model
 from bench.transfer_peers import PATHS, installed_peers, measure_peer, peer_problem
@@ -158,15 +161,19 @@ def _gloo_pair(rank: int, port: int):
     return make_pair_group(store, "bench", rank, "127.0.0.1", torch.device("cpu"), 60)
 
 
-def _gloo_sender_main(conn, port: int, size: int, piece: int, repeats: int) -> None:
+def _gloo_sender_main(conn, port: int, max_size: int, piece: int) -> None:
+    """`BareGloo`'s sender: for each size it is sent, echo it (the round trip a fetch
+    waits behind), then send that many bytes in pieces, all in flight, after the
+    receiver's go; then read the ack. None stops it."""
     import torch
 
     group = _gloo_pair(0, port)
-    data = torch.randint(0, 255, (size,), dtype=torch.uint8)
-    for _ in range(repeats):
-        conn.send(conn.recv())  # the export round trip a transport fetch waits behind
+    data = torch.randint(0, 255, (max_size,), dtype=torch.uint8)
+    while (size := conn.recv()) is not None:
+        conn.send(size)
         group.recv([torch.zeros(1)], 1, 1).wait()  # go
-        works = [group.send([data[o : o + piece]], 1, 0) for o in range(0, size, piece)]
+        step = min(piece, size)
+        works = [group.send([data[o : min(o + step, size)]], 1, 0) for o in range(0, size, step)]
         for work in works:
             work.wait()
         conn.recv()  # the ack
@@ -254,37 +261,61 @@ def measure_socket(size: int, repeats: int) -> float:
     return size / best
 
 
-def measure_gloo_bare(size: int, piece: int, repeats: int) -> float:
-    """Bare gloo pair, same pieces as the collective transport, all sends in flight, in
-    the transport's rhythm: each transfer follows a pipe round trip to the sender child
-    (the export of `measure_transport`) and precedes another (the ack). Timed back to
-    back instead, the pair's threads never sleep between transfers, a regime no fetch
-    runs in: 1 MiB took 0.31 ms that way against 0.48-0.50 ms after a round trip, and
-    16 MiB moved at 5.7 GB/s against 3.5-3.7 (EPYC-AVX2, docs/kv_transfer.md)."""
-    import torch
+class BareGloo:
+    """A bare gloo pair with a sender child: the collective transport's pieces, all
+    sends in flight, none of its code. Each transfer runs in the transport's rhythm: it
+    follows a pipe round trip to the child (the export of `measure_transport`) and
+    precedes another (the ack). Timed back to back instead, the pair's threads never
+    sleep between transfers, a regime no fetch runs in: 1 MiB took 0.31 ms that way
+    against 0.48-0.50 ms after a round trip, and 16 MiB moved at 5.7 GB/s against
+    3.5-3.7 (EPYC-AVX2, docs/kv_transfer.md). `seconds(ticket)` times one transfer of as
+    many bytes as the ticket's blocks (the collective's paired ceiling, timed in turn
+    with each fetch), `seconds_for(size)` any size up to `max_size`."""
 
-    from bench.server_process import free_port
+    def __init__(self, max_size: int, piece: int):
+        import torch
 
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    parent, child_conn = ctx.Pipe()
-    child = ctx.Process(target=_gloo_sender_main, args=(child_conn, port, size, piece, repeats))
-    child.start()
-    group = _gloo_pair(1, port)
-    buf = torch.empty(size, dtype=torch.uint8)
-    best = float("inf")
-    for rep in range(repeats):
-        parent.send(rep)
-        parent.recv()
+        from bench.server_process import free_port
+
+        port = free_port()
+        ctx = mp.get_context("spawn")
+        self.parent, child_conn = ctx.Pipe()
+        self.child = ctx.Process(target=_gloo_sender_main, args=(child_conn, port, max_size, piece))
+        self.child.start()
+        self.piece = piece
+        self.group = _gloo_pair(1, port)
+        self.buf = torch.empty(max_size, dtype=torch.uint8)
+        self.go = torch.zeros(1)
+
+    def seconds(self, ticket) -> float:
+        return self.seconds_for(len(ticket.block_ids) * MIB)
+
+    def seconds_for(self, size: int) -> float:
+        self.parent.send(size)
+        self.parent.recv()
+        step = min(self.piece, size)
         start = time.perf_counter()
-        group.send([torch.zeros(1)], 0, 1).wait()
-        works = [group.recv([buf[o : o + piece]], 0, 0) for o in range(0, size, piece)]
+        self.group.send([self.go], 0, 1).wait()
+        pieces = [self.buf[o : min(o + step, size)] for o in range(0, size, step)]
+        works = [self.group.recv([piece], 0, 0) for piece in pieces]
         for work in works:
             work.wait()
-        best = min(best, time.perf_counter() - start)
-        parent.send("ack")
-    child.join()
-    return size / best
+        seconds = time.perf_counter() - start
+        self.parent.send("ack")
+        return seconds
+
+    def close(self) -> None:
+        self.parent.send(None)
+        self.child.join()
+
+
+def measure_gloo_bare(size: int, piece: int, repeats: int) -> float:
+    """Best of `repeats` bare gloo transfers of `size` bytes (`BareGloo`)."""
+    bare = BareGloo(size, piece)
+    try:
+        return size / min(bare.seconds_for(size) for _ in range(repeats))
+    finally:
+        bare.close()
 
 
 class BareGrpc:
@@ -411,12 +442,29 @@ class PoolMemcpy:
         self.maps.clear()
 
 
+@dataclass
+class TransportRun:
+    """What `measure_transport` measured for one transport, per size."""
+
+    speeds: dict[int, float]
+    """B/s of the best fetch."""
+    used: list[str]
+    """The transports that moved the bytes (no silent fallback)."""
+    ceiling: dict[int, float] = field(default_factory=dict)
+    """B/s of the best run of the paired ceiling, timed in turn with each fetch."""
+    paired_ratio: dict[int, float] = field(default_factory=dict)
+    """The median over the timed fetches of ceiling seconds / fetch seconds, each fetch
+    against the ceiling run right before or after it: the steadiest figure of our own
+    overhead, since a best-of against a best-of taken apart can land on two different
+    minutes of a shared machine."""
+
+
 def measure_transport(
     transport: str, sizes: list[int], chunk: int, repeats: int, on_done, copy_threads: int = 0
-):
-    """GB/s of `fetch` for each size, sender in a child process; returns ({size: B/s},
-    transports used, {size: B/s of the transport's paired ceiling}: `PoolMemcpy` for
-    shm, `BareGrpc` for grpc, timed in turn with each fetch; empty for the others)."""
+) -> TransportRun:
+    """Fetches of each size, sender in a child process, each timed next to the
+    transport's paired ceiling where it has one (`PoolMemcpy` for shm, `BareGloo` for
+    collective, `BareGrpc` for grpc), the two alternating which goes first."""
     from engine.kv_cache import KVCachePool
     from kv_transfer import ExportTicket, make_receiver
     from kv_transfer.blockio import flat_bytes
@@ -436,28 +484,32 @@ def measure_transport(
         paired = PoolMemcpy(_shm_lanes(chunk, copy_threads), flat_bytes(pool.kv).numpy())
     elif transport == "grpc":
         paired = BareGrpc(max(sizes), chunk)
-    results, used, ceiling = {}, set(), {}
+    elif transport == "collective":
+        paired = BareGloo(max(sizes), chunk)
+    run, used = TransportRun({}, []), set()
     try:
         for size in sizes:
             n = size // MIB
-            best = best_copy = float("inf")
+            fetches, ceilings = [], []
             for rep in range(repeats + 1):  # the first run warms mappings and pairs
                 parent.send((f"{size}-{rep}", n))
                 ticket = ExportTicket.from_dict(parent.recv())
                 if paired is not None and rep % 2:
-                    best_copy = min(best_copy, paired.seconds(ticket))
+                    ceilings.append(paired.seconds(ticket))
                 result = receiver.fetch(ticket, list(range(n)), timeout_s=120)
                 if paired is not None and not rep % 2:
-                    best_copy = min(best_copy, paired.seconds(ticket))
+                    ceilings.append(paired.seconds(ticket))
                 parent.send("ack")
                 if not result.ok:
                     raise RuntimeError(result.message)
                 used.add(result.transport)
-                if rep:
-                    best = min(best, result.seconds)
-            results[size] = size / best
+                fetches.append(result.seconds)
+            run.speeds[size] = size / min(fetches[1:])
             if paired is not None:
-                ceiling[size] = size / best_copy
+                run.ceiling[size] = size / min(ceilings[1:])
+                run.paired_ratio[size] = statistics.median(
+                    c / f for c, f in zip(ceilings[1:], fetches[1:], strict=True)
+                )
             on_done()
     finally:
         parent.send(None)
@@ -465,7 +517,8 @@ def measure_transport(
         receiver.close()
         if paired is not None:
             paired.close()
-    return results, sorted(used), ceiling
+    run.used = sorted(used)
+    return run
 
 
 # --- the command ---------------------------------------------------------------------
@@ -496,21 +549,24 @@ def run_transfer_bench(args: argparse.Namespace) -> int:
         for peer in peers:
             rows[size][peer] = measure_peer(peer, size, args.repeats)
         bar.update(3 + len(ceilings) + len(peers))
-    actual = {}
+    actual, paired_ratios = {}, {}
     for transport in transports:
-        speeds, actual[transport], ceiling = measure_transport(
+        run = measure_transport(
             transport, sizes, chunk, args.repeats, lambda: bar.update(1), args.copy_threads
         )
-        for size, speed in speeds.items():
+        actual[transport] = run.used
+        if run.paired_ratio:
+            paired_ratios[transport] = run.paired_ratio
+        for size, speed in run.speeds.items():
             rows[size][transport] = speed
-            if size in ceiling:
-                rows[size][PAIRED_CEILING[transport]] = ceiling[size]
+            if size in run.ceiling:
+                rows[size][PAIRED_CEILING[transport]] = run.ceiling[size]
     bar.close()
-    _print_table(rows, transports, ceilings, actual, peers)
+    _print_table(rows, transports, ceilings, actual, peers, paired_ratios)
     print(f"memcpy and shm copy on {lanes} lane(s)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(_as_json(rows, transports, actual, chunk, peers), f, indent=2)
+            json.dump(_as_json(rows, transports, actual, chunk, peers, paired_ratios), f, indent=2)
     return 0
 
 
@@ -520,9 +576,10 @@ def _shm_lanes(chunk: int, copy_threads: int) -> int:
     return copy_lanes(_options(chunk, copy_threads))
 
 
-PAIRED_CEILING = {"shm": "pool-memcpy", "grpc": "grpc-paired"}
+PAIRED_CEILING = {"shm": "pool-memcpy", "collective": "gloo-paired", "grpc": "grpc-paired"}
 """The ceiling measured in turn with each fetch of the transport (`measure_transport`):
-the shm copy without our code (`PoolMemcpy`), the bare grpcio stream (`BareGrpc`)."""
+the shm copy without our code (`PoolMemcpy`), the bare gloo pair (`BareGloo`), the bare
+grpcio stream (`BareGrpc`)."""
 
 _CEILING_OF = {"collective": "gloo-bare", "grpc": "grpc-bare"}
 """The bare library under each transport that has one (skipped with --no-ceilings)."""
@@ -548,7 +605,12 @@ def _peers(choice: str) -> list[str]:
 
 
 def _print_table(
-    rows: dict, transports: list[str], ceilings: list[str], actual: dict, peers: list[str]
+    rows: dict,
+    transports: list[str],
+    ceilings: list[str],
+    actual: dict,
+    peers: list[str],
+    paired_ratios: dict,
 ) -> None:
     paired = [PAIRED_CEILING[t] for t in transports if t in PAIRED_CEILING]
     cols = ["memcpy", "checksum", "socket", *ceilings, *paired, *transports, *peers]
@@ -564,9 +626,11 @@ def _print_table(
     if paired:
         names = ", ".join(f"{t}/{PAIRED_CEILING[t]}" for t in paired)
         print(f"\nagainst the paired ceiling, timed in turn with each fetch: {names}")
+        print("  best / best, then the median of each fetch against its neighbour:")
         for size, row in rows.items():
-            ratios = " ".join(f"{row[t] / row[PAIRED_CEILING[t]]:>11.2f}" for t in paired)
-            print(f"{size // MIB:>5}MiB {ratios}")
+            best = " ".join(f"{row[t] / row[PAIRED_CEILING[t]]:>11.2f}" for t in paired)
+            median = " ".join(f"{paired_ratios[t][size]:>11.2f}" for t in paired)
+            print(f"{size // MIB:>5}MiB {best}   | {median}")
     against = [t for t in transports if _CEILING_OF.get(t) in ceilings]
     if against:
         print("\nagainst the bare library: " + ", ".join(f"{t}/{_CEILING_OF[t]}" for t in against))
@@ -598,7 +662,14 @@ def _ratio_names(transports: list[str]) -> list[str]:
     return [f"{t}/{_baseline(t)}" for t in transports]
 
 
-def _as_json(rows: dict, transports: list[str], actual: dict, chunk: int, peers: list[str]) -> dict:
+def _as_json(
+    rows: dict,
+    transports: list[str],
+    actual: dict,
+    chunk: int,
+    peers: list[str],
+    paired_ratios: dict,
+) -> dict:
     import os
 
     return {
@@ -612,4 +683,9 @@ def _as_json(rows: dict, transports: list[str], actual: dict, chunk: int, peers:
         ],
         "units": "GB/s (1e9 bytes/s)",
         "ratio_baselines": {t: _baseline(t) for t in [*transports, *peers]},
+        "paired_ceilings": {t: PAIRED_CEILING[t] for t in paired_ratios},
+        "paired_median_ratios": {
+            t: {str(size): ratio for size, ratio in ratios.items()}
+            for t, ratios in paired_ratios.items()
+        },
     }

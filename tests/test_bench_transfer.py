@@ -21,8 +21,11 @@ def test_bench_transfer_measures_every_transport_and_ceiling(tmp_path):
         "grpc": ["grpc"],
     }
     (row,) = report["results"]
-    columns = ("memcpy", "pool-memcpy", "grpc-paired", "socket", "gloo-bare", "grpc-bare")
+    columns = ("memcpy", "pool-memcpy", "gloo-paired", "grpc-paired", "socket")
+    columns += ("gloo-bare", "grpc-bare")
     for column in (*columns, "shm", "collective", "grpc"):
         assert row[column] > 0, column
     assert "against the bare library" in result.stdout
-    assert "shm/pool-memcpy, grpc/grpc-paired" in result.stdout
+    assert "shm/pool-memcpy, collective/gloo-paired, grpc/grpc-paired" in result.stdout
+    assert set(report["paired_median_ratios"]) == {"shm", "collective", "grpc"}
+    assert all(r["2097152"] > 0 for r in report["paired_median_ratios"].values())
