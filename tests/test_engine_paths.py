@@ -78,7 +78,7 @@ def projection_case(rows, in_features, out_features, prologue, seed):
 
 
 @needs_native
-@pytest.mark.parametrize("rows", [1, 3, 7, 16, 20])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 16, 20])
 @pytest.mark.parametrize("out_features", [37, 96])
 @pytest.mark.parametrize("prologue", [PROLOGUE_NONE, PROLOGUE_RMSNORM, PROLOGUE_SILU_MUL])
 def test_native_linear_matches_float64(rows, out_features, prologue):
@@ -96,6 +96,24 @@ def test_native_linear_matches_float64(rows, out_features, prologue):
 
     expected = start.double() + reference_linear(x, projection, prologue, norm_weight, 1e-5)
     torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("prologue", [PROLOGUE_NONE, PROLOGUE_RMSNORM])
+def test_a_small_batchs_rows_get_the_bits_they_get_in_a_large_one(threads, prologue):
+    """Two to four rows stream several strips at once (linear.c's few-rows path), eight
+    run the register tiles: every column sums in the same order either way."""
+    x, projection, norm_weight, start = projection_case(8, 300, 16 * 13 + 5, prologue, 7)
+    ops = NativeOps(native_kernels(), eps=1e-5)
+    ops.threads = threads
+    packed = ops.prepare_linear(projection)
+    large = start.clone()
+    ops._linear(x, packed, large, prologue, norm_weight, accumulate=True)
+    for rows in (2, 3, 4):
+        small = start[:rows].clone()
+        ops._linear(x[:rows], packed, small, prologue, norm_weight, accumulate=True)
+        assert torch.equal(small, large[:rows]), rows
 
 
 @needs_native
