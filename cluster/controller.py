@@ -46,6 +46,9 @@ logger = logging.getLogger(__name__)
 
 POOL_RESOURCES = {"prefill": "prefill_pool", "decode": "decode_pool", "colocated": "decode_pool"}
 _LOCAL_POOL_CAPACITY = 64
+GCS_PORT_WAIT_ENV = "RAY_gcs_server_port_wait_time_s"
+GCS_PORT_WAIT_S = "120"
+"""How long a local `ray.init` waits for its GCS to come up, unless the operator set it."""
 PRESTARTED_POOL_SHARE = 0.01
 
 
@@ -76,6 +79,10 @@ class Controller:
             )
         else:
             self._pin_cores()
+            # Ray waits 30 s for a new head's GCS to publish its port, then gives up. On a
+            # busy 2-core machine one start in a test suite's ~80 did not make it (no GCS
+            # log written yet, 2026-12-06); Ray itself waits 120 s for a GCS on rocksdb.
+            os.environ.setdefault(GCS_PORT_WAIT_ENV, GCS_PORT_WAIT_S)
             ray.init(
                 namespace=self.config.namespace,
                 num_cpus=os.cpu_count(),
