@@ -15,8 +15,6 @@ import time
 from abc import abstractmethod
 from dataclasses import replace
 
-import torch
-
 from engine.kv_cache import KVCachePool
 from kv_transfer.base import (
     ExportTicket,
@@ -27,7 +25,7 @@ from kv_transfer.base import (
     TransferState,
     check_layout,
 )
-from kv_transfer.blockio import flat_bytes
+from kv_transfer.blockio import PoolBytes
 from kv_transfer.config import TransportOptions
 from kv_transfer.integrity import BlockVerifier
 from kv_transfer.stats import ReceiverStats, bump
@@ -68,8 +66,7 @@ class TransportReceiver(KVReceiver):
         self.options = options
         self._stats = ReceiverStats()
         self._lock = threading.Lock()
-        self._bytes_of: torch.Tensor | None = None
-        self._bytes = None
+        self._bytes = PoolBytes()
         self._block_nbytes = pool.layout.block_nbytes
 
     @abstractmethod
@@ -126,11 +123,7 @@ class TransportReceiver(KVReceiver):
 
     def _pool_bytes(self):
         """Our CPU pool as one uint8 numpy array (None on a device), made once per storage."""
-        kv = self.pool.kv
-        if self._bytes_of is not kv:
-            self._bytes = flat_bytes(kv).numpy() if kv.device.type == "cpu" else None
-            self._bytes_of = kv
-        return self._bytes
+        return self._bytes.views(self.pool.kv)[1]
 
     def cancel(self, request_id: str) -> None:
         CANCELLED_FETCHES.cancel(request_id)

@@ -22,7 +22,7 @@ import torch
 
 from engine.kv_cache import KVCachePool
 from kv_transfer.base import ExportTicket, FailureReason
-from kv_transfer.blockio import flat_bytes, plan_pieces, requested_blocks, total_bytes
+from kv_transfer.blockio import PoolBytes, plan_pieces, requested_blocks, total_bytes
 from kv_transfer.config import TransportOptions
 from kv_transfer.faults import DropTransfer, FaultPlan
 from kv_transfer.integrity import BlockVerifier
@@ -73,8 +73,7 @@ class _Servicer(pb_grpc.KVTransferServicer):
     def __init__(self, sender: RegistrySender):
         self.sender = sender
         self.options = sender.options
-        self._views_of: torch.Tensor | None = None
-        self._views = None
+        self._pool_bytes = PoolBytes()
 
     def _authorize(self, context) -> None:
         token = dict(context.invocation_metadata()).get(TOKEN_KEY, "")
@@ -117,19 +116,8 @@ class _Servicer(pb_grpc.KVTransferServicer):
             done = pb.Done(num_bytes=total_bytes(pieces), num_chunks=len(pieces))
             yield pb.FetchResponse(done=done)
 
-    def _pool_views(self):
-        """The pool's bytes as a tensor, and as one numpy view on a CPU pool (None on a
-        device), made once per storage: three torch calls per message, or per fetch,
-        cost tens of microseconds on a cold cache."""
-        kv = self.sender.pool.kv
-        if self._views_of is not kv:
-            flat = flat_bytes(kv)
-            self._views = (flat, flat.numpy() if flat.device.type == "cpu" else None)
-            self._views_of = kv
-        return self._views
-
     def _stream(self, request_id: str, pieces, shaper: Shaper):
-        flat, host = self._pool_views()
+        flat, host = self._pool_bytes.views(self.sender.pool.kv)
         faults = FaultPlan(self.options.faults, total_bytes(pieces), request_id)
         beat = self.sender.lease_beats(request_id)
         shaper.start()
@@ -262,9 +250,8 @@ class GrpcReceiver(TransportReceiver):
         return "grpc"
 
     def _consume(self, call, ticket: ExportTicket, dst_block_ids: list[int], verifier) -> None:
-        flat = self._pool_bytes()  # numpy, or None for a device pool
-        if flat is None:
-            flat = flat_bytes(self.pool.kv)
+        tensor, host = self._bytes.views(self.pool.kv)
+        flat = tensor if host is None else host  # numpy on a CPU pool
         block_nbytes = self.pool.layout.block_nbytes
         runs = _run_lengths(dst_block_ids)
         expected = len(dst_block_ids) * block_nbytes
