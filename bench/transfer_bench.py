@@ -311,7 +311,12 @@ class BareGloo:
 
 def measure_gloo_bare(size: int, piece: int, repeats: int) -> float:
     """Best of `repeats` bare gloo transfers of `size` bytes (`BareGloo`)."""
-    bare = BareGloo(size, piece)
+    return _best_rate(BareGloo(size, piece), size, repeats)
+
+
+def _best_rate(bare, size: int, repeats: int) -> float:
+    """B/s of the fastest of `repeats` transfers of `size` bytes by a bare ceiling
+    (`BareGloo`, `BareGrpc`), which it closes."""
     try:
         return size / min(bare.seconds_for(size) for _ in range(repeats))
     finally:
@@ -371,11 +376,7 @@ class BareGrpc:
 
 def measure_grpc_bare(size: int, chunk: int, repeats: int) -> float:
     """Best of `repeats` bare grpcio streams of `size` bytes (`BareGrpc`)."""
-    bare = BareGrpc(size, chunk)
-    try:
-        return size / min(bare.seconds_for(size) for _ in range(repeats))
-    finally:
-        bare.close()
+    return _best_rate(BareGrpc(size, chunk), size, repeats)
 
 
 def measure_checksum(size: int, repeats: int) -> float:

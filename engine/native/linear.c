@@ -2,8 +2,10 @@
  * ([N / NR][K][NR]): every matmul streams its weight sequentially. One row (batch-1
  * decode) is a memory-bound pass over four strips at a time, two to four rows (small
  * decode batches) one over two or three; more rows run register tiles of MR_MAX x NR
- * over K blocks of KC, each strip piece staying in L1 across the row groups. A prologue (RMSNorm, or SiLU(gate) * up) runs on the input rows first,
- * into a scratch the team shares; bias and the residual add are the epilogue.
+ * over K blocks of KC, each strip piece staying in L1 across the row groups. A prologue
+ * (RMSNorm, or SiLU(gate) * up) runs on the input rows first, into a scratch the team
+ * shares (a one-row projection: each thread's own copy); bias and the residual add are
+ * the epilogue.
  *
  * Why our own: on the AVX2 EPYC machines this project runs on, MKL's sgemm streamed a
  * decode step's weights at ~11 GB/s, under half the read bandwidth, and repacks the
