@@ -76,6 +76,15 @@ def add_bench_parser(sub) -> None:
         help="every step on --threads threads (default: each step on the count measured "
         "fastest for steps like it, see engine/threads.py)",
     )
+    engine.add_argument(
+        "--phases",
+        action="store_true",
+        help="also split each batch size's decode step into its phases (embedding, each "
+        "projection, RoPE + KV store, attention, LM head), timed inside the fused native "
+        "step: builds the kernels with their phase clock (PDSERVE_KERNEL_PHASE_CLOCK=1). "
+        "Each phase is a mean over the timed steps: with --pin-threads, none of them is a "
+        "try of another thread count",
+    )
     engine.add_argument("--skip-transformers", action="store_true", help="only our engine")
     engine.add_argument("--json", default=None, help="also write results to this JSON file")
     engine.set_defaults(func=_run_engine_bench)

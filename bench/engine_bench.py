@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -76,6 +77,9 @@ class EngineBenchResult:
     hf_step_ms: dict[int, float] = field(default_factory=dict)
     hf_e2e_tok_s: dict[int, float] = field(default_factory=dict)
     hf_cb_tok_s: dict[int, float] = field(default_factory=dict)
+    phase_ms: dict[int, dict[str, float]] = field(default_factory=dict)
+    """With --phases, per batch size: ms per fused decode step in each phase (the phase
+    clock of decode_step.c, over the timed runs)."""
     thread_choice: dict[str, dict[int, float]] = field(default_factory=dict)
     """Per kind of step and size bucket: moving-average ms per thread count (engine.threads)."""
 
@@ -195,6 +199,8 @@ def run_engine_bench(args) -> int:
     if args.threads:  # transformers' runs and the bandwidth probe on the engine's count
         torch.set_num_threads(args.threads)
     load_before = load_average()
+    if args.phases:  # read when the kernels are first built in this process
+        os.environ["PDSERVE_KERNEL_PHASE_CLOCK"] = "1"
     engine = _engine(args, max(batch_sizes))
     _map_pool(engine)
     result = _new_result(engine, args, load_before)
@@ -224,9 +230,12 @@ def _decode_rows(engine: LLMEngine, result: EngineBenchResult, args, batch: int)
     just after it (a bound taken at a busier moment than the step would flatter it)."""
     probes = [read_bandwidth()]
     runs = []
+    clock = _phase_clock(engine) if args.phases else None
     for _ in range(args.repeats):
         runs.append(_decode_step_ms(engine, batch, args.prompt_len, args.decode_steps))
         probes.append(read_bandwidth())
+    if clock is not None:
+        result.phase_ms[batch] = _phase_ms(clock)
     around = [max(before, after) for before, after in itertools.pairwise(probes)]
     bandwidth = statistics.median(around)
     result.ours_step_ms[batch] = statistics.median(runs)
@@ -253,6 +262,21 @@ def _decode_rows(engine: LLMEngine, result: EngineBenchResult, args, batch: int)
         ]
         result.paired_roofline_ratio = statistics.median(paired)
         result.paired_steps = len(paired)
+
+
+def _phase_clock(engine: LLMEngine):
+    """The native kernels with their phase clock running, now reset; None where the
+    engine's steps do not run the fused native step or the kernels lack the clock."""
+    kernels = getattr(engine.model.ops, "kernels", None)
+    if kernels is None or kernels.decode_phases() is None:
+        return None
+    return kernels
+
+
+def _phase_ms(kernels) -> dict[str, float]:
+    """ms per fused decode step in each phase since the clock was last read."""
+    seconds, steps = kernels.decode_phases()
+    return {phase: s * 1000.0 / max(steps, 1) for phase, s in seconds.items()}
 
 
 def _new_result(engine: LLMEngine, args, load_before: float) -> EngineBenchResult:
@@ -409,12 +433,38 @@ def format_report(r: EngineBenchResult) -> str:
                 f"the median of {r.paired_steps} steps, each against a read probe taken "
                 "right before and right after it"
             )
+    lines += _phase_lines(r)
     if r.thread_choice:
         lines.append("Thread choice (moving average per thread count; the faster one runs):")
         for name, averages in r.thread_choice.items():
             shown = ", ".join(f"{n} thr {ms:.1f} ms" for n, ms in sorted(averages.items()))
             lines.append(f"  {name}: {shown}")
     return "\n".join(lines)
+
+
+def _phase_lines(r: EngineBenchResult) -> list[str]:
+    """The --phases table: ms per decode step in each phase, a column per batch size,
+    then their sum against the step timed around the whole call (the rest is Python)."""
+    if not r.phase_ms:
+        return []
+    batches = sorted(r.phase_ms)
+    phases = list(r.phase_ms[batches[0]])
+    lines = [
+        "",
+        "Where a decode step goes (mean ms per step, timed inside the fused native step; "
+        "% of the step):",
+        f"{'phase':>12} " + " ".join(f"{f'batch {b}':>16}" for b in batches),
+    ]
+    for phase in phases:
+        cells = [
+            f"{r.phase_ms[b][phase]:.2f} ({100 * r.phase_ms[b][phase] / r.ours_step_ms[b]:.1f}%)"
+            for b in batches
+        ]
+        lines.append(f"{phase:>12} " + " ".join(f"{c:>16}" for c in cells))
+    sums = [sum(r.phase_ms[b].values()) for b in batches]
+    lines.append(f"{'sum':>12} " + " ".join(f"{s:>16.2f}" for s in sums))
+    lines.append(f"{'step':>12} " + " ".join(f"{r.ours_step_ms[b]:>16.2f}" for b in batches))
+    return lines
 
 
 def _e2e_lines(r: EngineBenchResult) -> list[str]:

@@ -49,6 +49,15 @@ def kernel_amx() -> bool:
     return value == "1"
 
 
+def kernel_phase_clock() -> bool:
+    """PDSERVE_KERNEL_PHASE_CLOCK: 1 builds the native kernels with the fused decode step's
+    phase clock (`pdserve bench engine --phases` sets it); default 0."""
+    value = os.environ.get("PDSERVE_KERNEL_PHASE_CLOCK", "0").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"PDSERVE_KERNEL_PHASE_CLOCK must be 0 or 1, not {value!r}")
+    return value == "1"
+
+
 def tokenizer_cache_dir() -> Path:
     """PDSERVE_TOKENIZER_CACHE: each model's effective Rust tokenizer, so workers start
     without importing transformers (default ~/.cache/pdserve/tokenizers)."""

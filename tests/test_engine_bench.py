@@ -27,6 +27,10 @@ def test_report_separates_steady_state_decode_from_end_to_end():
         hf_e2e_tok_s={16: 30.0},
         hf_cb_tok_s={16: 25.0},
         thread_choice={"decode 1 rows": {1: 25.0, 2: 23.0}},
+        phase_ms={
+            1: {"qkv": 2.0, "attention": 1.0, "lm_head": 19.0},
+            16: {"qkv": 6.0, "attention": 15.0, "lm_head": 30.0},
+        },
     )
 
     report = format_report(result)
@@ -42,3 +46,8 @@ def test_report_separates_steady_state_decode_from_end_to_end():
     steady = next(line for line in report.splitlines() if line.split()[:1] == ["16"])
     assert steady.split()[-1] == "3.33"  # ours vs HF, both steady state (200 / 60 ms)
     assert "decode 1 rows: 1 thr 25.0 ms, 2 thr 23.0 ms" in report
+    # --phases: ms per step in each phase, its share of the timed step, then the sum
+    phases = report.split("Where a decode step goes")[1].splitlines()
+    assert phases[3].split() == ["attention", "1.00", "(4.3%)", "15.00", "(25.0%)"]
+    assert phases[5].split() == ["sum", "22.00", "51.00"]
+    assert phases[6].split() == ["step", "23.00", "60.00"]

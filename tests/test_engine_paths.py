@@ -4,6 +4,7 @@ attention backend available here; float32 greedy output equals transformers' on 
 from __future__ import annotations
 
 import ctypes
+import time
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from engine.model import LlamaForward
 from engine.native.attention import NativePagedAttention
 from engine.native.build import build_library
 from engine.native.ops import (
+    DECODE_PHASES,
     PROLOGUE_NONE,
     PROLOGUE_RMSNORM,
     PROLOGUE_SILU_MUL,
@@ -473,6 +475,38 @@ def test_fused_decode_buffers_kept_from_a_larger_step_give_the_same_logits(tiny_
     fresh = FusedDecode(kept.kernels, model).run(runner.decode_rows(chunks[1:2]), pool, 2)
     assert torch.equal(reused.logits, fresh.logits)
     assert reused.greedy == fresh.greedy == wide.greedy[1:2]
+    for chunk in chunks:
+        engine.abort(chunk.seq.request_id)
+    assert_no_leaks(engine)
+
+
+@needs_native
+def test_the_phase_clock_counts_every_fused_step_and_changes_no_logits(
+    tiny_llama_dir, tmp_path, monkeypatch
+):
+    """`pdserve bench engine --phases` builds the kernels with decode_step.c's phase clock:
+    it counts each fused step, splits its time into the phases (within the time the calls
+    took), starts again from zero once read, and leaves the logits' bits alone."""
+    from engine.native.decode_step import FusedDecode
+
+    engine = make_engine(tiny_llama_dir)
+    chunks = _decode_step_inputs(engine, [5, 17, 30])
+    model, pool, rows = engine.model, engine.kv_pool, engine.runner.decode_rows(chunks)
+    plain = model.fused_decode
+    assert plain.kernels.decode_phases() is None  # the default build has no clock
+    monkeypatch.setenv("PDSERVE_KERNEL_PHASE_CLOCK", "1")
+    clocked = NativeKernels(ctypes.CDLL(str(build_library(tmp_path))))
+    timed = FusedDecode(clocked, model)
+
+    start = time.perf_counter()
+    steps = [timed.run(rows, pool, 2) for _ in range(3)]
+    elapsed = time.perf_counter() - start
+    seconds, count = clocked.decode_phases()
+
+    assert count == 3 and tuple(seconds) == DECODE_PHASES
+    assert min(seconds.values()) >= 0.0 and 0.0 < sum(seconds.values()) <= elapsed
+    assert clocked.decode_phases() == (dict.fromkeys(DECODE_PHASES, 0.0), 0)
+    assert torch.equal(steps[-1].logits, plain.run(rows, pool, 2).logits)
     for chunk in chunks:
         engine.abort(chunk.seq.request_id)
     assert_no_leaks(engine)

@@ -7,7 +7,8 @@ float32 CPU kernels. The shared object is cached under `PDSERVE_KERNEL_CACHE`
 flags, the compiler's version and the CPU's model and flags (`-march=native` code
 must not run on a CPU it was not built for). The vector width follows the CPU: 16 floats
 (zmm) where it has AVX-512F, 8 (ymm) otherwise; `PDSERVE_KERNEL_VECTOR_WIDTH` overrides
-it. Several workers starting at once may
+it; `PDSERVE_KERNEL_PHASE_CLOCK=1` builds (and caches apart) the variant with the fused
+decode step's phase clock. Several workers starting at once may
 all compile; each writes a private temporary file and renames it into place, so a
 reader never sees a half-written library. A cold compile takes about a second.
 """
@@ -24,7 +25,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from engine.envs import kernel_cache_dir, kernel_vector_width
+from engine.envs import kernel_cache_dir, kernel_phase_clock, kernel_vector_width
 from engine.platform import cpu_flags
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,8 @@ def vector_width() -> int:
 
 
 def _flags() -> tuple[str, ...]:
-    return (*FLAGS, f"-DVL={vector_width()}")
+    clock = ("-DPD_PHASE_CLOCK",) if kernel_phase_clock() else ()
+    return (*FLAGS, f"-DVL={vector_width()}", *clock)
 
 
 class KernelBuildError(RuntimeError):

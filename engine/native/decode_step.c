@@ -10,6 +10,43 @@
  */
 #include "native.h"
 
+/* The phase clock (`pdserve bench engine --phases`): built with -DPD_PHASE_CLOCK, thread 0
+ * reads the time after each phase's barrier, so each interval is the whole team's wall
+ * time for that phase, summed over the steps since the last pd_phase_clock call. One
+ * clock per process (benchmarks run one engine); without the flag the marks compile to
+ * nothing. */
+enum { PHASE_EMBED, PHASE_QKV, PHASE_ROPE, PHASE_ATTENTION, PHASE_O, PHASE_GATE_UP, PHASE_DOWN,
+       PHASE_HEAD, PD_PHASES };
+#ifdef PD_PHASE_CLOCK
+static double phase_seconds[PD_PHASES], phase_mark;
+static long phase_steps;
+#define PHASE_START(t) ((t) == 0 ? (void)(phase_mark = omp_get_wtime()) : (void)0)
+#define PHASE_END(t, phase)                       \
+  do {                                            \
+    if ((t) == 0) {                               \
+      double now_ = omp_get_wtime();              \
+      phase_seconds[phase] += now_ - phase_mark;  \
+      phase_mark = now_;                          \
+    }                                             \
+  } while (0)
+#else
+#define PHASE_START(t) ((void)(t))
+#define PHASE_END(t, phase) ((void)(t))
+#endif
+
+/* Seconds per phase (PD_PHASES of them, in the enum's order) and the steps they cover,
+ * reset on the way out; returns PD_PHASES, or 0 in a build without the clock. */
+int pd_phase_clock(double *seconds, long *steps) {
+#ifdef PD_PHASE_CLOCK
+  for (int i = 0; i < PD_PHASES; i++) seconds[i] = phase_seconds[i], phase_seconds[i] = 0.0;
+  *steps = phase_steps, phase_steps = 0;
+  return PD_PHASES;
+#else
+  (void)seconds, (void)steps;
+  return 0;
+#endif
+}
+
 typedef struct {
   const float *input_norm, *post_norm;
   const float *qkv, *qkv_bias, *o_proj, *o_bias, *gate_up, *down; /* packed; biases or NULL */
@@ -81,27 +118,33 @@ static void layer_step(const pd_model *m, const pd_decode_batch *b, long l, atte
                                PROLOGUE_RMSNORM, w->input_norm, m, b, b->qkv, 0);
   linear_team(&qkv, t, nt);
 #pragma omp barrier
+  PHASE_END(t, PHASE_QKV);
   rope_store_args rope = {b->qkv,      qkv_width,        R,       m->num_heads, m->num_kv_heads,
                           D,           b->positions,     m->rope_cos, m->rope_sin, k_cache,
                           v_cache,     b->block_stride, b->slot_blocks, b->slot_offsets,
                           b->kv_bf16};
   rope_store_team(&rope, t, nt);
 #pragma omp barrier
+  PHASE_END(t, PHASE_ROPE);
   att->k_cache = k_cache;
   att->v_cache = v_cache;
   attention_team(att, attn_scratch); /* ends with the omp for's barrier */
+  PHASE_END(t, PHASE_ATTENTION);
   linear_args o = projection(b->attn, q_width, R, q_width, w->o_proj, H, w->o_bias,
                              PROLOGUE_NONE, 0, m, b, b->residual, 1);
   linear_team(&o, t, nt);
 #pragma omp barrier
+  PHASE_END(t, PHASE_O);
   linear_args gate_up = projection(b->residual, H, R, H, w->gate_up, 2 * I, 0, PROLOGUE_RMSNORM,
                                    w->post_norm, m, b, b->gate_up, 0);
   linear_team(&gate_up, t, nt);
 #pragma omp barrier
+  PHASE_END(t, PHASE_GATE_UP);
   linear_args down = projection(b->gate_up, 2 * I, R, I, w->down, H, 0, PROLOGUE_SILU_MUL, 0,
                                 m, b, b->residual, 1);
   linear_team(&down, t, nt);
 #pragma omp barrier
+  PHASE_END(t, PHASE_DOWN);
 }
 
 /* Logits [rows][vocab] of one decode step; 0, or -1 when attention cannot take the
@@ -127,8 +170,10 @@ int pd_decode_step(const pd_model *m, const pd_decode_batch *b, int nthreads) {
     int t = omp_get_thread_num(), nt = omp_get_num_threads();
     attention_args mine = att; /* k/v pointers change per layer: one copy per thread */
     float *scratch = malloc(sizeof(float) * (size_t)attention_scratch_floats(&att));
+    PHASE_START(t);
     embed_rows(m, b, t, nt);
 #pragma omp barrier
+    PHASE_END(t, PHASE_EMBED);
     for (long l = 0; l < m->num_layers; l++) layer_step(m, b, l, &mine, scratch, t, nt);
     linear_args head = projection(b->residual, m->hidden, b->rows, m->hidden, m->lm_head,
                                   m->vocab, 0, PROLOGUE_RMSNORM, m->final_norm, m, b, b->logits,
@@ -144,6 +189,10 @@ int pd_decode_step(const pd_model *m, const pd_decode_batch *b, int nthreads) {
     }
     free(scratch);
   }
+#ifdef PD_PHASE_CLOCK /* the region's end joined the team: the head and greedy are done */
+  PHASE_END(0, PHASE_HEAD);
+  phase_steps++;
+#endif
   free(best);
   free(att.partial);
   return 0;

@@ -46,7 +46,13 @@ _SIGNATURES = {
     ),
     "pd_copy_xxh3_blocks": ([_P, _P, _L, _L, _P], _I),
     "pd_greedy_rows": ([_P, _L, _L, _P, _I], None),
+    "pd_phase_clock": ([_P, _P], _I),
 }
+
+DECODE_PHASES = ("embed", "qkv", "rope+store", "attention", "o_proj", "gate_up", "down", "lm_head")
+"""The fused decode step's phases, in the order pd_phase_clock reports them (decode_step.c).
+Each projection's time includes its prologue (RMSNorm, or SiLU*mul for `down`); `lm_head`
+includes the final norm and each row's greedy token."""
 
 
 class NativeKernels:
@@ -70,6 +76,17 @@ class NativeKernels:
         self.prefill_attention = library.pd_prefill_attention
         self.copy_xxh3_blocks = library.pd_copy_xxh3_blocks
         """XXH3-64 digests of whole KV blocks, copying them on the way (checksum.c)."""
+        self._phase_clock = library.pd_phase_clock
+
+    def decode_phases(self) -> tuple[dict[str, float], int] | None:
+        """Seconds per phase of the fused decode steps since the last call, and how many
+        steps that covers; None where the library was built without the phase clock
+        (PDSERVE_KERNEL_PHASE_CLOCK). Called by `pdserve bench engine --phases`."""
+        seconds = (ctypes.c_double * len(DECODE_PHASES))()
+        steps = ctypes.c_long(0)
+        if self._phase_clock(seconds, ctypes.byref(steps)) != len(DECODE_PHASES):
+            return None
+        return dict(zip(DECODE_PHASES, seconds, strict=True)), steps.value
 
 
 @functools.cache
