@@ -2,7 +2,7 @@
  * ([N / NR][K][NR]): every matmul streams its weight sequentially. One row (batch-1
  * decode) is a memory-bound pass over four strips at a time, two to four rows (small
  * decode batches) one over two or three; more rows run register tiles of MR_MAX x NR
- * over K blocks of KC, each strip piece staying in L1 across the row groups. A prologue
+ * over K blocks of KC, each strip piece staying in cache across the row groups. A prologue
  * (RMSNorm, or SiLU(gate) * up) runs on the input rows first, into a scratch the team
  * shares (a one-row projection: each thread's own copy); bias and the residual add are
  * the epilogue.
@@ -230,11 +230,10 @@ static void gemm_strips(const float *x, long ldx, long M, long K, const float *w
       for (long k0 = 0; k0 < K; k0 += KC) {
         long kc = K - k0 < KC ? K - k0 : KC;
         int last = k0 + kc >= K;
-        /* Each row group, working from L1, prefetches a share of the following piece:
-         * spread over all the piece's groups, the requests keep pace with the work.
-         * Against one group fetching all of it at a KC of 256, this and KC 192 (a 16-row
-         * panel of x beside the piece in L1) made 8-64-row projections 8-25% faster on
-         * the Zen 3 EPYC; prefill's were unchanged (docs/benchmarks.md). */
+        /* Each row group prefetches a share of the following piece: spread over all
+         * the piece's groups, the requests keep pace with the work. Against one group
+         * fetching all of it (then at a KC of 256), this made 8-64-row projections 8-25%
+         * faster on the Zen 3 EPYC; prefill's were unchanged (docs/benchmarks.md). */
         long next_lines = next_piece_lines(K, k0, kc);
         const float *next = ws + (k0 + kc) * PD_NR;
         if (next + next_lines * PD_NR > end) next = 0, next_lines = 0;

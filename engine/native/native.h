@@ -29,8 +29,15 @@
 #define MR_MAX ((VL == 16 ? 24 : 12) / PD_NV) /* rows per tile: accumulators fill the registers */
 #endif
 #define PD_NR (PD_NV * VL) /* output columns per packed strip */
+/* K block of the multi-row tiles (linear.c's gemm_strips). 8-wide: up to 1536 k, a strip
+ * piece of 96 KiB that stays in L2 while the row groups stream it, in one block for the
+ * demo model's K of 576 and 1536. Against blocks of 192 (a piece in L1 beside a 16-row
+ * panel of x) on the Zen 3 EPYC, float32, 2 threads, step-interleaved in one process: a
+ * 256-token prefill 5% shorter, batch-16 decode steps 5.4% and batch-8 3.7%; K of 4096
+ * ran 2-5% faster at 1024 or 1536 and up to 4% slower at 4096 (docs/benchmarks.md). The
+ * 16-wide (AVX-512) builds keep 192: not measured there since. */
 #ifndef KC
-#define KC 192 /* K block of the multi-row tiles: a strip piece and a 16-row panel of x share L1 */
+#define KC (VL == 16 ? 192 : 1536)
 #endif
 
 typedef float vf __attribute__((vector_size(VL * 4)));
