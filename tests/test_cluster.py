@@ -210,3 +210,33 @@ def test_timing_receipt_adds_up_when_a_worker_clock_is_off(
         assert min(parts.values()) > -0.001, parts  # no phase shifted out of its span
         assert parts["prefill_s"] > 0 and parts["kv_transfer_s"] > 0
         assert parts["prefill_s"] < timings["ttft_s"]
+
+
+def test_a_head_whose_gcs_never_publishes_its_port_is_started_again(monkeypatch):
+    """A local head's GCS that publishes no port (seen once in a few hundred starts on the
+    2-core machine) is shut down and a new head started. Here the first head's wait is cut
+    to nothing, so Ray's own start fails as it did there, halfway, with its processes up."""
+    from cluster.config import ClusterConfig
+    from cluster.controller import GCS_PORT_WAIT_ENV, Controller
+
+    real_init, starts = ray.init, []
+
+    def first_start_times_out(**kwargs):
+        starts.append(kwargs)
+        if len(starts) > 1:
+            return real_init(**kwargs)
+        monkeypatch.setenv(GCS_PORT_WAIT_ENV, "0")
+        try:
+            return real_init(**kwargs)
+        finally:
+            monkeypatch.setenv(GCS_PORT_WAIT_ENV, "60")
+
+    monkeypatch.setattr(ray, "init", first_start_times_out)
+    controller = Controller(ClusterConfig())
+    try:
+        controller.init_ray()
+        assert len(starts) == 2 and ray.is_initialized()
+        assert ray.cluster_resources()["decode_pool"] > 0
+    finally:
+        asyncio.run(controller.shutdown())
+    assert not ray.is_initialized()
