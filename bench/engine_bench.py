@@ -214,6 +214,8 @@ def run_engine_bench(args) -> int:
         )
     engine.allocator.assert_all_free()
     result.thread_choice = _thread_choice(engine)
+    if args.phases and not result.phase_ms:
+        print("--phases: no phase clock here (the decode steps do not run the fused native step)")
     if not args.skip_transformers:
         _run_transformers(engine, result, args, batch_sizes)
     result.load_after = load_average()

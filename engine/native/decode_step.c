@@ -29,9 +29,15 @@ static long phase_steps;
       phase_mark = now_;                          \
     }                                             \
   } while (0)
+#define PHASE_STEP_DONE()                         \
+  do {                                            \
+    PHASE_END(0, PHASE_HEAD);                     \
+    phase_steps++;                                \
+  } while (0)
 #else
 #define PHASE_START(t) ((void)(t))
 #define PHASE_END(t, phase) ((void)(t))
+#define PHASE_STEP_DONE() ((void)0)
 #endif
 
 /* Seconds per phase (PD_PHASES of them, in the enum's order) and the steps they cover,
@@ -189,10 +195,7 @@ int pd_decode_step(const pd_model *m, const pd_decode_batch *b, int nthreads) {
     }
     free(scratch);
   }
-#ifdef PD_PHASE_CLOCK /* the region's end joined the team: the head and greedy are done */
-  PHASE_END(0, PHASE_HEAD);
-  phase_steps++;
-#endif
+  PHASE_STEP_DONE(); /* the region's end joined the team: the head and greedy are done */
   free(best);
   free(att.partial);
   return 0;
