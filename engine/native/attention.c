@@ -7,7 +7,9 @@
  * over its blocks, each block's keys then values (one contiguous piece of the pool,
  * 2 * block_size * Hkv * D floats), with an online softmax (running peak and sum per
  * head, rescaled as the peak rises), while the next block is prefetched a line or two
- * per inner-loop iteration. Blocks sit anywhere in the pool, so without that the
+ * per inner-loop iteration. Keys are scored a group of query heads at a time (the G
+ * heads that share a kv head), so each key is read, and widened from bf16, once per
+ * group. Blocks sit anywhere in the pool, so without the prefetch the
  * hardware prefetcher loses the stream at every block: 16 sequences x 290 tokens, 30
  * layers, one thread: 28-31 ms with a pass over all keys then one over all values,
  * 18-22 ms this way. Issued in bursts (a share per head before its scores), the
@@ -30,23 +32,25 @@
 #endif
 #define MIN_ITEMS 8 /* decode work items per step: a sequence splits into spans below this */
 #define MIN_SPAN_BLOCKS 8 /* blocks of the shortest span a sequence splits into */
-#ifndef PF_SCORE_LINES
-#define PF_SCORE_LINES 2
-#endif
-#ifndef PF_VALUE_LINES
-#define PF_VALUE_LINES 1
-#endif
 
-/* The next block's lines not yet prefetched. The score loop takes PF_SCORE_LINES per
- * iteration and the value loop PF_VALUE_LINES, which covers a float32 block of the demo
- * model (384 lines: 144 score and 96 value iterations) by the end of its own work. */
+/* The next block's lines not yet prefetched, issued at a steady pace over the current
+ * block's inner iterations (scores and values): `rate` sixteenths of a line each, set
+ * when the block starts so that the last line goes out with its last iteration, whatever
+ * the dtype, group size and tile shape make of the counts. */
 typedef struct {
   const char *at, *end;
+  int credit, rate;
+  long calls; /* inner iterations so far */
 } pf_cursor;
 
-static inline __attribute__((always_inline)) void pf_lines(pf_cursor *c, int lines) {
-  for (int i = 0; i < lines && c->at < c->end; i++, c->at += 64)
+static inline __attribute__((always_inline)) void pf_pace(pf_cursor *c) {
+  c->calls++;
+  for (c->credit += c->rate; c->credit >= 16 && c->at < c->end; c->credit -= 16, c->at += 64)
     __builtin_prefetch(c->at, 0, ATT_PF);
+}
+
+static inline void pf_rest(pf_cursor *c) {
+  for (; c->at < c->end; c->at += 64) __builtin_prefetch(c->at, 0, ATT_PF);
 }
 
 void rope_store_team(const rope_store_args *a, int t, int nt) {
@@ -89,12 +93,14 @@ void pd_rope_store(float *qkv, long ldqkv, long T, long Hq, long Hkv, long D,
   rope_store_team(&a, omp_get_thread_num(), omp_get_num_threads());
 }
 
-static inline float dot8(const float *a, const float *b, long D) {
+/* q . k over D, k read from the pool (widened from bf16 on the way), summed in
+ * transpose_sum8's lane order. */
+static inline __attribute__((always_inline)) float dot_kv8(const float *q, const void *keys,
+                                                           long k, long D, int bf16) {
   f8 acc = splat8(0.0f);
-  for (long d = 0; d < D; d += 8) acc += LOAD8(a + d) * LOAD8(b + d);
+  for (long d = 0; d < D; d += 8) acc += LOAD8(q + d) * kv_load8(keys, k + d, bf16);
   return hsum8(acc);
 }
-
 
 /* Where a sequence's paged KV is and how it is laid out (offsets in elements). */
 typedef struct {
@@ -107,32 +113,72 @@ static inline long span_tokens(long t0, long t_end, long block_size) {
   return t_end - t0 < block_size ? t_end - t0 : block_size;
 }
 
-/* scores[j * stride + i] = q_j . k_i for the n tokens of one block, whose keys are
- * float32 rows of Hkv * D from `keys` (q pre-scaled), query head j over kv head j / G. */
-static void block_scores(const paged_seq *s, const float *q, const float *keys, long n,
-                         float *scores, long stride, pf_cursor *pf) {
-  long G = s->Hq / s->Hkv, D = s->D, row = s->Hkv * D;
-  for (long j = 0; j < s->Hq; j++) {
-    const float *qj = q + j * D, *kh = keys + (j / G) * D;
-    float *out = scores + j * stride;
-    long i = 0;
-    for (; i + 8 <= n; i += 8) {
-      f8 acc[8] = {0};
+/* Scores of the G query heads that share one kv head over a block's n keys:
+ * scores[g * stride + i] = q_g . k_i, where key i starts at element kh + i * row of
+ * `keys` (q pre-scaled). TP keys at a time against all G queries, both in registers, so
+ * a key is loaded (and widened from bf16) once for its G heads, not once per head; each
+ * (head, key) vector of partial sums is parked until eight keys' worth can be finished by
+ * one transpose_sum8. */
+static inline __attribute__((always_inline)) void group_scores(int G, int TP, const float *q,
+                                                               const void *keys, long kh,
+                                                               long n, long row, long D,
+                                                               float *scores, long stride,
+                                                               int bf16, pf_cursor *pf) {
+  long i = 0;
+  for (; i + 8 <= n; i += 8) {
+    f8 parts[MAX_GROUP][8];
+    for (int p = 0; p < 8; p += TP) {
+      f8 acc[MAX_GROUP][4];
+      for (int g = 0; g < G; g++)
+        for (int t = 0; t < TP; t++) acc[g][t] = splat8(0.0f);
       for (long d = 0; d < D; d += 8) {
-        pf_lines(pf, PF_SCORE_LINES);
-        f8 qv = LOAD8(qj + d);
-        for (int t = 0; t < 8; t++) acc[t] += qv * LOAD8(kh + (i + t) * row + d);
+        pf_pace(pf);
+        f8 k[4];
+        for (int t = 0; t < TP; t++) k[t] = kv_load8(keys, kh + (i + p + t) * row + d, bf16);
+        for (int g = 0; g < G; g++) {
+          f8 qv = LOAD8(q + g * D + d);
+          for (int t = 0; t < TP; t++) acc[g][t] += qv * k[t];
+        }
       }
-      STORE8(out + i, transpose_sum8(acc));
+      for (int g = 0; g < G; g++)
+        for (int t = 0; t < TP; t++) parts[g][p + t] = acc[g][t];
     }
-    for (; i < n; i++) out[i] = dot8(qj, kh + i * row, D);
+    for (int g = 0; g < G; g++) STORE8(scores + g * stride + i, transpose_sum8(parts[g]));
   }
+  for (; i < n; i++)
+    for (int g = 0; g < G; g++)
+      scores[g * stride + i] = dot_kv8(q + g * D, keys, kh + i * row, D, bf16);
 }
 
-/* A bf16 block's n key rows as float32 at out: each key is read by G query heads, and
- * widening it once, not per head, took a fifth off a bf16 step's attention. */
-static void widen_keys(const uint16_t *keys, long n, long row, float *out) {
-  for (long e = 0; e < n * row; e += 8) STORE8(out + e, kv_load8(keys, e, 1));
+/* Keys per pass for G heads: the G * TP sums and TP keys fill the 16 AVX2 registers at
+ * most (queries are the FMAs' memory operands). On the demo model's groups of 3, 16
+ * rows x ~290 tokens over 30 layers' blocks from DRAM, against scoring head by head
+ * (over bf16, after widening the block's keys into scratch): 0.90-0.93 of the time over
+ * float32 and 0.88-0.92 over bf16; 4 keys a pass, not 2, since the keys come from L2
+ * and more of them at once hide more of its latency (2 keys: 0.96 and 0.89-0.91, though
+ * 0.6 of the time over bf16 with all in L1). */
+#define GROUP_SCORES(GC, TPC)                                                            \
+  case GC:                                                                               \
+    for (long h = 0; h < s->Hkv; h++)                                                    \
+      group_scores(GC, TPC, q + h * GC * D, keys, h * D, n, row, D, scores + h * GC * stride, \
+                   stride, bf16, pf);                                                    \
+    return;
+
+/* scores[j * stride + i] = q_j . k_i for the n keys of one block at `keys` (rows of
+ * Hkv * D, float32 or bf16), query head j over kv head j / G. */
+static inline __attribute__((always_inline)) void block_scores(const paged_seq *s,
+                                                               const float *q,
+                                                               const void *keys, long n,
+                                                               float *scores, long stride,
+                                                               int bf16, pf_cursor *pf) {
+  long G = s->Hq / s->Hkv, D = s->D, row = s->Hkv * D;
+  switch (G) {
+    GROUP_SCORES(1, 4) GROUP_SCORES(2, 4) GROUP_SCORES(3, 4) GROUP_SCORES(4, 2)
+    GROUP_SCORES(5, 2) GROUP_SCORES(6, 2) GROUP_SCORES(7, 2) GROUP_SCORES(8, 1)
+  }
+  for (long j = 0; j < s->Hq; j++) /* larger groups: one head at a time */
+    group_scores(1, 4, q + j * D, keys, (j / G) * D, n, row, D, scores + j * stride, stride,
+                 bf16, pf);
 }
 
 /* Online softmax over one block: p = exp(s - peak) in place, where each head's running
@@ -181,7 +227,7 @@ static inline __attribute__((always_inline)) void block_values(int G, int NV, co
     for (int g = 0; g < G; g++)
       for (int c = 0; c < NV; c++) acc[g][c] = LOAD8(out + g * D + d + 8 * c);
     for (long i = 0; i < n; i++) {
-      pf_lines(pf, PF_VALUE_LINES);
+      pf_pace(pf);
       f8 v[4];
       for (int c = 0; c < NV; c++) v[c] = kv_load8(values, vh + i * row + d + 8 * c, bf16);
       for (int g = 0; g < G; g++) {
@@ -194,11 +240,19 @@ static inline __attribute__((always_inline)) void block_values(int G, int NV, co
   }
 }
 
-/* Fewest passes whose accumulators still fit the 16 AVX2 registers. */
-#define BLOCK_VALUES(GC, NVC)                                                          \
+/* Fewest passes whose accumulators still fit the 16 AVX2 registers. Float32 values are
+ * FMA memory operands, so G * NV sums take the registers; bf16 values are widened into
+ * registers first, which then hold G * NV sums, NV values and a weight: for the demo
+ * model's groups of 3, two 8-column vectors a pass instead of four took 0.78 of the time
+ * over bf16 and 1.15 over float32. */
+#define BLOCK_VALUES(GC, NV32, NV16)                                                   \
   case GC:                                                                           \
-    if (D % (8 * NVC) == 0) {                                                        \
-      block_values(GC, NVC, p, span, n, values, vh, row, D, out, bf16, pf);          \
+    if (!bf16 && D % (8 * NV32) == 0) {                                              \
+      block_values(GC, NV32, p, span, n, values, vh, row, D, out, 0, pf);            \
+      return;                                                                        \
+    }                                                                                \
+    if (bf16 && D % (8 * NV16) == 0) {                                               \
+      block_values(GC, NV16, p, span, n, values, vh, row, D, out, 1, pf);            \
       return;                                                                        \
     }                                                                                \
     block_values(GC, 1, p, span, n, values, vh, row, D, out, bf16, pf);              \
@@ -208,8 +262,8 @@ static inline __attribute__((always_inline)) void group_block_values(
     long G, const float *p, long span, long n, const void *values, long vh, long row, long D,
     float *out, int bf16, pf_cursor *pf) {
   switch (G) {
-    BLOCK_VALUES(1, 4) BLOCK_VALUES(2, 4) BLOCK_VALUES(3, 4) BLOCK_VALUES(4, 2)
-    BLOCK_VALUES(5, 2) BLOCK_VALUES(6, 2) BLOCK_VALUES(7, 1) BLOCK_VALUES(8, 1)
+    BLOCK_VALUES(1, 4, 4) BLOCK_VALUES(2, 4, 4) BLOCK_VALUES(3, 4, 2) BLOCK_VALUES(4, 2, 2)
+    BLOCK_VALUES(5, 2, 2) BLOCK_VALUES(6, 2, 2) BLOCK_VALUES(7, 1, 1) BLOCK_VALUES(8, 1, 1)
   }
   for (long g = 0; g < G; g++)
     for (long i = 0; i < n; i++) {
@@ -222,33 +276,32 @@ static inline __attribute__((always_inline)) void group_block_values(
 
 /* One pass over the span's blocks, each block's keys then values (one contiguous piece
  * of the pool): out = unnormalized sum_t p_j[t] v_t per query head j (Hq * D), with
- * peak and total the softmax's running max and sum. scores: Hq * block_size floats;
- * wide_keys: block_size * Hkv * D floats (used with bf16). */
+ * peak and total the softmax's running max and sum. scores: Hq * block_size floats.
+ * The next block is prefetched at the pace of the inner iterations the previous block
+ * ran (all full blocks run the same count; the first one guesses). */
 static inline __attribute__((always_inline)) void span_attend(
-    const paged_seq *s, const float *q, long t_begin, long t_end, float *scores,
-    float *wide_keys, float *out, float *peak, float *total, int bf16) {
+    const paged_seq *s, const float *q, long t_begin, long t_end, float *scores, float *out,
+    float *peak, float *total, int bf16) {
   long G = s->Hq / s->Hkv, D = s->D, row = s->Hkv * D, bs = s->block_size;
   /* keys to values of a block: the pool's kind stride */
   long kind = ((const char *)s->v - (const char *)s->k) / (bf16 ? 2 : 4);
+  long iterations = 0;
   for (long j = 0; j < s->Hq; j++) peak[j] = -INFINITY, total[j] = 0.0f;
   memset(out, 0, sizeof(float) * (size_t)(s->Hq * D));
   for (long t0 = t_begin; t0 < t_end; t0 += bs) {
     long n = span_tokens(t0, t_end, bs), block = s->table[t0 / bs] * s->block_stride;
     const char *next =
         t0 + bs < t_end ? kv_at(s->k, s->table[t0 / bs + 1] * s->block_stride, bf16) : 0;
-    long next_bytes = (kind + span_tokens(t0 + bs, t_end, bs) * row) * (bf16 ? 2 : 4);
-    const float *keys = (const float *)s->k + block;
-    if (bf16) {
-      widen_keys((const uint16_t *)s->k + block, n, row, wide_keys);
-      keys = wide_keys;
-    }
-    pf_cursor pf = {next, next ? next + next_bytes : 0};
-    block_scores(s, q, keys, n, scores, bs, &pf);
+    long next_lines = next ? ((kind + span_tokens(t0 + bs, t_end, bs) * row) * (bf16 ? 2 : 4) + 63) / 64 : 0;
+    long pace_over = iterations ? iterations : n * s->Hkv * D / 8;
+    pf_cursor pf = {next, next ? next + 64 * next_lines : 0, 0, (int)((16 * next_lines + pace_over - 1) / pace_over), 0};
+    block_scores(s, q, kv_at(s->k, block, bf16), n, scores, bs, bf16, &pf);
     block_softmax(scores, bs, s->Hq, n, D, peak, total, out);
     for (long h = 0; h < s->Hkv; h++)
       group_block_values(G, scores + h * G * bs, bs, n, s->v, block + h * D, row, D,
                          out + h * G * D, bf16, &pf);
-    pf_lines(&pf, 1 << 30); /* what the loops left (short blocks) */
+    pf_rest(&pf); /* what the loops left (short blocks) */
+    iterations = pf.calls;
   }
 }
 
@@ -292,10 +345,8 @@ int attention_plan(attention_args *a, int nthreads) {
 
 long attention_partial_stride(const attention_args *a) { return a->Hq * a->D + 2 * a->Hq; }
 
-/* Per thread: a block's scores, the scaled query, a bf16 block's keys widened. */
-long attention_scratch_floats(const attention_args *a) {
-  return a->Hq * (a->block_size + a->D) + a->block_size * a->Hkv * a->D;
-}
+/* Per thread: a block's scores and the scaled query. */
+long attention_scratch_floats(const attention_args *a) { return a->Hq * (a->block_size + a->D); }
 
 /* One item: row r's span sp; its result goes to out (normalized) or to partial. */
 static void attend_item(const attention_args *a, long item, float *scratch) {
@@ -307,7 +358,6 @@ static void attend_item(const attention_args *a, long item, float *scratch) {
   paged_seq s = {a->k_cache, a->v_cache, a->block_stride, a->block_size, Hq, a->Hkv, D,
                  a->block_tables + r * a->table_stride};
   float peak[MAX_HEADS], total[MAX_HEADS], *qs = scratch + Hq * a->block_size;
-  float *wide_keys = qs + Hq * D;
   float *dst = a->partial ? a->partial + item * stride : a->out + r * a->ldo;
   float *p_peak = a->partial ? dst + Hq * D : peak, *p_total = a->partial ? dst + Hq * D + Hq : total;
   if (t_begin >= t_end) { /* an empty span contributes nothing to the merge */
@@ -317,9 +367,9 @@ static void attend_item(const attention_args *a, long item, float *scratch) {
   }
   for (long i = 0; i < Hq * D; i++) qs[i] = a->q[r * a->ldq + i] * a->scale;
   if (a->kv_bf16)
-    span_attend(&s, qs, t_begin, t_end, scratch, wide_keys, dst, p_peak, p_total, 1);
+    span_attend(&s, qs, t_begin, t_end, scratch, dst, p_peak, p_total, 1);
   else
-    span_attend(&s, qs, t_begin, t_end, scratch, wide_keys, dst, p_peak, p_total, 0);
+    span_attend(&s, qs, t_begin, t_end, scratch, dst, p_peak, p_total, 0);
   if (!a->partial)
     for (long j = 0; j < Hq; j++)
       for (long d = 0; d < D; d++) dst[j * D + d] /= p_total[j];
