@@ -157,11 +157,11 @@ static inline __attribute__((always_inline)) void group_scores(int G, int TP, co
  * float32 and 0.88-0.92 over bf16; 4 keys a pass, not 2, since the keys come from L2
  * and more of them at once hide more of its latency (2 keys: 0.96 and 0.89-0.91, though
  * 0.6 of the time over bf16 with all in L1). */
-#define GROUP_SCORES(GC, TPC)                                                            \
-  case GC:                                                                               \
-    for (long h = 0; h < s->Hkv; h++)                                                    \
-      group_scores(GC, TPC, q + h * GC * D, keys, h * D, n, row, D, scores + h * GC * stride, \
-                   stride, bf16, pf);                                                    \
+#define GROUP_SCORES(GC, TPC)                                                          \
+  case GC:                                                                             \
+    for (long h = 0; h < s->Hkv; h++)                                                  \
+      group_scores(GC, TPC, q + h * GC * D, keys, h * D, n, row, D,                    \
+                   scores + h * GC * stride, stride, bf16, pf);                        \
     return;
 
 /* scores[j * stride + i] = q_j . k_i for the n keys of one block at `keys` (rows of
@@ -292,9 +292,11 @@ static inline __attribute__((always_inline)) void span_attend(
     long n = span_tokens(t0, t_end, bs), block = s->table[t0 / bs] * s->block_stride;
     const char *next =
         t0 + bs < t_end ? kv_at(s->k, s->table[t0 / bs + 1] * s->block_stride, bf16) : 0;
-    long next_lines = next ? ((kind + span_tokens(t0 + bs, t_end, bs) * row) * (bf16 ? 2 : 4) + 63) / 64 : 0;
+    long next_bytes = (kind + span_tokens(t0 + bs, t_end, bs) * row) * (bf16 ? 2 : 4);
+    long next_lines = next ? (next_bytes + 63) / 64 : 0;
     long pace_over = iterations ? iterations : n * s->Hkv * D / 8;
-    pf_cursor pf = {next, next ? next + 64 * next_lines : 0, 0, (int)((16 * next_lines + pace_over - 1) / pace_over), 0};
+    int rate = (int)((16 * next_lines + pace_over - 1) / pace_over);
+    pf_cursor pf = {next, next ? next + 64 * next_lines : 0, 0, rate, 0};
     block_scores(s, q, kv_at(s->k, block, bf16), n, scores, bs, bf16, &pf);
     block_softmax(scores, bs, s->Hq, n, D, peak, total, out);
     for (long h = 0; h < s->Hkv; h++)
@@ -346,7 +348,9 @@ int attention_plan(attention_args *a, int nthreads) {
 long attention_partial_stride(const attention_args *a) { return a->Hq * a->D + 2 * a->Hq; }
 
 /* Per thread: a block's scores and the scaled query. */
-long attention_scratch_floats(const attention_args *a) { return a->Hq * (a->block_size + a->D); }
+long attention_scratch_floats(const attention_args *a) {
+  return a->Hq * (a->block_size + a->D);
+}
 
 /* One item: row r's span sp; its result goes to out (normalized) or to partial. */
 static void attend_item(const attention_args *a, long item, float *scratch) {
