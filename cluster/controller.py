@@ -29,13 +29,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 
 import ray
 
 from cluster.config import ClusterConfig
 from cluster.core_plan import CorePlan, plan_cores
+from cluster.local_head import start_local_head
 from cluster.prestarted import PrestartedProcesses
 from cluster.router import WorkerInfo
 from decode_worker.worker import DecodeWorker
@@ -45,15 +45,6 @@ from prefill_worker.worker import PrefillWorker
 logger = logging.getLogger(__name__)
 
 POOL_RESOURCES = {"prefill": "prefill_pool", "decode": "decode_pool", "colocated": "decode_pool"}
-_LOCAL_POOL_CAPACITY = 64
-GCS_PORT_WAIT_ENV = "RAY_gcs_server_port_wait_time_s"
-GCS_PORT_WAIT_S = "60"
-"""How long a local `ray.init` waits for its GCS to come up, unless the operator set it."""
-GCS_START_ATTEMPTS = 3
-"""Local heads started before giving up. In about one start in a few hundred on the 2-core
-machine (test suites, 2026-12-06), the new head's GCS published no port and wrote no log
-at all, as much after 120 s of waiting as after Ray's 30: a wait does not mend that, a
-new head does."""
 PRESTARTED_POOL_SHARE = 0.01
 
 
@@ -84,36 +75,8 @@ class Controller:
             )
         else:
             self._pin_cores()
-            self._start_local_head()
+            start_local_head(self.config.namespace)
             self.started_ray = True
-
-    def _start_local_head(self) -> None:
-        """A private Ray head on this machine, started again (up to GCS_START_ATTEMPTS)
-        when its GCS never publishes its port."""
-        os.environ.setdefault(GCS_PORT_WAIT_ENV, GCS_PORT_WAIT_S)
-        for attempt in range(1, GCS_START_ATTEMPTS + 1):
-            try:
-                ray.init(
-                    namespace=self.config.namespace,
-                    num_cpus=os.cpu_count(),
-                    resources={
-                        "prefill_pool": _LOCAL_POOL_CAPACITY,
-                        "decode_pool": _LOCAL_POOL_CAPACITY,
-                    },
-                    include_dashboard=False,
-                    log_to_driver=False,
-                )
-                return
-            except RuntimeError as exc:
-                if "gcs_server_port" not in str(exc) or attempt == GCS_START_ATTEMPTS:
-                    raise
-                logger.warning(
-                    "Ray's GCS did not come up (%s); starting a new head (%d of %d)",
-                    exc,
-                    attempt + 1,
-                    GCS_START_ATTEMPTS,
-                )
-                ray.shutdown()
 
     def _pin_cores(self) -> None:
         """Before a local `ray.init`: plan each worker's cores and move this process (and
