@@ -11,10 +11,12 @@ are killed here before the next try, after their state is logged for whoever loo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
 
+import psutil
 import ray
 
 logger = logging.getLogger(__name__)
@@ -67,15 +69,30 @@ def _is_stalled_start(exc: Exception) -> bool:
 
 def _kill_stalled_head(exc: Exception) -> None:
     """Ray raises out of its Node constructor and keeps no reference to the node, so the
-    node is found in the traceback's frames."""
+    node is found in the traceback's frames. Its processes' own children (the agents a
+    raylet starts) are killed too: a raylet killed early in its start leaves them
+    running for minutes."""
     node = _node_in_traceback(exc)
     if node is None:
         logger.warning("the stalled head's processes were not found; they run until exit")
         return
+    children = []
     for process_type, infos in node.all_processes.items():
         for info in infos:
             logger.warning("stalled head: %s %s", process_type, _process_state(info.process.pid))
+            children += _children(info.process.pid)
     node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    psutil.wait_procs(children, timeout=5)
+
+
+def _children(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
 
 
 def _node_in_traceback(exc: BaseException):
