@@ -108,11 +108,16 @@ def _node_in_traceback(exc: BaseException):
 
 
 def _process_state(pid: int) -> str:
-    """pid, run state and the kernel function it waits in: what a stuck process shows."""
+    """pid, run state, the kernel function it waits in and the system call it is in (the
+    number first, as /proc shows it): what tells a stuck process from a slow one."""
     proc = Path(f"/proc/{pid}")
     try:
         state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
         wchan = (proc / "wchan").read_text() or "-"
     except OSError:
         return f"pid {pid} (gone)"
-    return f"pid {pid} state {state} waiting in {wchan}"
+    try:
+        syscall = (proc / "syscall").read_text().split()[0]
+    except OSError:  # other users' processes, or no permission to trace
+        syscall = "?"
+    return f"pid {pid} state {state} waiting in {wchan} (system call {syscall})"
