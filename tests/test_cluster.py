@@ -217,11 +217,12 @@ def _ray_daemons() -> list[str]:
     """The GCS and raylet processes this test process started and that still run."""
     import psutil
 
-    return sorted(
-        child.name()
-        for child in psutil.Process().children()
-        if child.status() != psutil.STATUS_ZOMBIE and child.name() in ("gcs_server", "raylet")
-    )
+    names = []
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.NoSuchProcess):  # another test's process, ending
+            if child.status() != psutil.STATUS_ZOMBIE and child.name() in ("gcs_server", "raylet"):
+                names.append(child.name())
+    return sorted(names)
 
 
 def _start_with_first_head_stalled(stall_first_start) -> list[dict]:
