@@ -228,6 +228,7 @@ class OpenAIHandler:
             parsed = parse_body(kind, await read_json(request, self.settings.max_body_bytes))
             self._check_model(parsed.model)
             prompts = [self._prompt_ids(parsed, prompt) for prompt in parsed.prompts]
+            self._check_named_tokens(parsed)
             request_id = _request_id(kind, request.headers.get("x-request-id"))
             reqs = [
                 self.cluster.open_request(
@@ -288,6 +289,21 @@ class OpenAIHandler:
                 400, f"prompt token ids must be in [0, {tokenizer.vocab_size})", param="prompt"
             )
         return prompt_ids
+
+    def _check_named_tokens(self, parsed: ParsedRequest) -> None:
+        """logit_bias and stop_token_ids name tokens of the served vocabulary: an id past it
+        would otherwise be dropped in silence (the bias) or never match (the stop)."""
+        vocab = self.cluster.tokenizer.vocab_size
+        named = {
+            "logit_bias": [token_id for token_id, _ in parsed.params.logit_bias],
+            "stop_token_ids": parsed.params.stop_token_ids,
+        }
+        for param, token_ids in named.items():
+            outside = sorted({t for t in token_ids if not 0 <= t < vocab})
+            if outside:
+                raise ApiError(
+                    400, f"{param} names token ids outside [0, {vocab}): {outside[:8]}", param
+                )
 
     def _admit(self, count: int) -> None:
         """Counts the request's choices from here until each closes (`_count_outcome`)."""

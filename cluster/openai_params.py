@@ -210,7 +210,11 @@ def _asked_structures(parsed) -> list[tuple[str, StructuredSpec | None]]:
     guided = parsed.structured_outputs
     json_value = parsed.guided_json if parsed.guided_json is not None else (guided and guided.json_)
     regex = parsed.guided_regex or (guided and guided.regex)
-    choice = parsed.guided_choice or (guided and guided.choice)
+    choice = (
+        parsed.guided_choice if parsed.guided_choice is not None else (guided and guided.choice)
+    )
+    if choice is not None and not choice:
+        raise ApiError(400, "guided_choice must list at least one choice", param="guided_choice")
     grammar = parsed.guided_grammar or (guided and guided.grammar)
     asked.append(("guided_json", _schema_spec(json_value) if json_value is not None else None))
     asked.append(("guided_regex", StructuredSpec("regex", regex) if regex else None))

@@ -263,6 +263,27 @@ BAD_INPUTS = [
         None,
         400,
     ),
+    (
+        "logit_bias past the vocabulary",
+        "/v1/completions",
+        {"model": "M", "prompt": "x", "logit_bias": {"99999999": 5}},
+        None,
+        400,
+    ),
+    (
+        "stop_token_ids past the vocabulary",
+        "/v1/completions",
+        {"model": "M", "prompt": "x", "stop_token_ids": [-3]},
+        None,
+        400,
+    ),
+    (
+        "empty guided_choice",
+        "/v1/completions",
+        {"model": "M", "prompt": "x", "guided_choice": []},
+        None,
+        400,
+    ),
     ("unknown model", "/v1/completions", {"model": "gpt-17", "prompt": "x"}, None, 404),
     ("body too large", "/v1/completions", None, b'{"prompt": "' + b"x" * (5 << 20) + b'"}', 413),
 ]
