@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
+import importlib.metadata
 import json
 import logging
 import os
@@ -33,11 +34,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cluster.choice_fanout import ChoiceFanout
 from cluster.cluster import PDCluster, RequestTimeoutError
 from cluster.metrics import ClusterMetrics
-from cluster.openai_protocol import ApiError, ParsedRequest, parse_body, read_json
+from cluster.openai_protocol import ApiError, ParsedRequest, parse_body, read_json, validate_body
 from cluster.openai_responses import ChoiceWriter, EchoedPrompt, TokenNames, envelope, usage
 from cluster.request import ClusterRequest, GenerationChunk, RequestFailedError
 from cluster.router import NoLiveWorkerError
-from cluster.tools import ToolCallReader, with_tools_preamble
+from cluster.tokenize_api import (
+    DetokenizeBody,
+    TokenizeBody,
+    chat_prompt_ids,
+    detokenize,
+    tokenize,
+)
+from cluster.tools import ToolCallReader
 from engine import envs
 from engine.errors import InvalidRequestError
 from engine.tool_parsers import TOOL_PARSERS
@@ -116,6 +124,25 @@ def build_app(
     async def models(request: Request):
         handler.authorize(request)
         return handler.models()
+
+    @app.get("/v1/models/{model}")
+    async def model(request: Request, model: str):
+        handler.authorize(request)
+        handler.check_model(model)
+        return handler.models()["data"][0]
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request):
+        body = await handler.read_body(request, TokenizeBody)
+        return tokenize(cluster.tokenizer, body, cluster.max_model_len)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request):
+        return detokenize(cluster.tokenizer, await handler.read_body(request, DetokenizeBody))
+
+    @app.get("/version")
+    async def version():
+        return {"version": _package_version()}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -226,7 +253,7 @@ class OpenAIHandler:
         try:
             self.authorize(request)
             parsed = parse_body(kind, await read_json(request, self.settings.max_body_bytes))
-            self._check_model(parsed.model)
+            self.check_model(parsed.model)
             prompts = [self._prompt_ids(parsed, prompt) for prompt in parsed.prompts]
             self._check_named_tokens(parsed)
             request_id = _request_id(kind, request.headers.get("x-request-id"))
@@ -266,7 +293,15 @@ class OpenAIHandler:
         for req in reqs:
             req.on_close.append(closed)
 
-    def _check_model(self, model: str) -> None:
+    async def read_body(self, request: Request, model_cls):
+        """An authorized request's body as `model_cls`, its `model` (if sent) checked."""
+        self.authorize(request)
+        body = validate_body(model_cls, await read_json(request, self.settings.max_body_bytes))
+        if body.model is not None:
+            self.check_model(body.model)
+        return body
+
+    def check_model(self, model: str) -> None:
         if model not in self.model_names:
             raise ApiError(
                 404,
@@ -278,9 +313,7 @@ class OpenAIHandler:
     def _prompt_ids(self, parsed: ParsedRequest, prompt) -> list[int]:
         tokenizer = self.cluster.tokenizer
         if parsed.kind == "chat":
-            if parsed.tools and not tokenizer.template_renders_tools:
-                return tokenizer.apply_chat_template(with_tools_preamble(prompt, parsed.tools))
-            return tokenizer.apply_chat_template(prompt, tools=parsed.tools)
+            return chat_prompt_ids(tokenizer, prompt, parsed.tools)
         if isinstance(prompt, str):
             return tokenizer.encode(prompt)
         prompt_ids = list(prompt)
@@ -487,6 +520,13 @@ class OwnedStreamingResponse(StreamingResponse):
             self.on_close()
             with contextlib.suppress(Exception):
                 await self.body_iterator.aclose()
+
+
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("pdserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed
+        return "unknown"
 
 
 def _liveness(worker) -> dict:

@@ -71,7 +71,7 @@ def _prompts_of(kind: str, parsed) -> list:
     if kind == "chat":
         if not parsed.messages:
             raise ApiError(400, "messages must not be empty", param="messages")
-        return [[_message_dict(m) for m in parsed.messages]]
+        return [[message_dict(m) for m in parsed.messages]]
     prompt = parsed.prompt
     batched = isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str))
     prompts = list(prompt) if batched else [prompt]
@@ -80,7 +80,7 @@ def _prompts_of(kind: str, parsed) -> list:
     return prompts
 
 
-def _message_dict(message) -> dict:
+def message_dict(message) -> dict:
     """A message as chat templates read it; tool call arguments as objects (templates
     serialize them themselves)."""
     content = message.content

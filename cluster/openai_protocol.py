@@ -278,14 +278,19 @@ def parse_body(kind: str, body: Any) -> ParsedRequest:
     for name, why in _UNSUPPORTED.items():
         if body.get(name) not in (None, False, 0, [], 1 if name == "best_of" else None):
             raise ApiError(400, why, param=name)
-    model_cls = ChatBody if kind == "chat" else CompletionBody
+    return request_of(kind, validate_body(ChatBody if kind == "chat" else CompletionBody, body))
+
+
+def validate_body(model_cls: type[BaseModel], body: Any):
+    """`body` validated into `model_cls`, or a 400 naming the first bad field."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
     try:
-        parsed = model_cls.model_validate(body)
+        return model_cls.model_validate(body)
     except ValidationError as exc:
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first.get("loc", ()))
         raise ApiError(400, f"invalid '{param}': {first.get('msg')}", param=param) from None
-    return request_of(kind, parsed)
 
 
 def check_sampling(**fields) -> SamplingParams:

@@ -55,8 +55,8 @@ class Tokenizer:
             return len(self.hf)
         return self._backend.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        return self._encode(text, add_special_tokens=True)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._encode(text, add_special_tokens=add_special_tokens)
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         if self._backend is None:
@@ -64,12 +64,16 @@ class Tokenizer:
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def apply_chat_template(
-        self, messages: list[dict], tools: list[dict] | None = None
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
     ) -> list[int]:
-        """Prompt token ids for a chat, with the assistant turn opened; `tools` (OpenAI
-        function definitions) are passed to the template, which may render them."""
+        """Prompt token ids for a chat, with the assistant turn opened unless told not to;
+        `tools` (OpenAI function definitions) are passed to the template, which may
+        render them."""
         text = self.hf.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=True
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
         )
         return self._encode(text, add_special_tokens=False)
 
@@ -84,8 +88,8 @@ class Tokenizer:
         """One token as text, special tokens included (logprobs name tokens by it)."""
         return self._decode([token_id], skip_special_tokens=False)
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self._decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def _decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
         if self._decode_needs_hf:

@@ -284,6 +284,17 @@ BAD_INPUTS = [
         None,
         400,
     ),
+    ("tokenize neither", "/tokenize", {"model": "M"}, None, 400),
+    (
+        "tokenize both",
+        "/tokenize",
+        {"prompt": "x", "messages": [{"role": "user", "content": "x"}]},
+        None,
+        400,
+    ),
+    ("detokenize past the vocabulary", "/detokenize", {"tokens": [5, -1]}, None, 400),
+    ("detokenize text", "/detokenize", {"tokens": "abc"}, None, 400),
+    ("tokenize for another model", "/tokenize", {"model": "gpt-17", "prompt": "x"}, None, 404),
     ("unknown model", "/v1/completions", {"model": "gpt-17", "prompt": "x"}, None, 404),
     ("body too large", "/v1/completions", None, b'{"prompt": "' + b"x" * (5 << 20) + b'"}', 413),
 ]
@@ -319,6 +330,61 @@ def test_models_and_health(server, client, model_id):
     health = requests.get(f"{server.url}/health", timeout=5)
     assert health.status_code == 200
     assert health.json()["workers"] == {"prefill": 1, "decode": 1, "colocated": 0}
+
+
+def test_a_model_and_the_version_are_served_on_their_own(server, model_id):
+    listed = post_get(server, "/v1/models").json()["data"][0]
+    assert post_get(server, f"/v1/models/{model_id}").json() == listed
+    missing = post_get(server, "/v1/models/gpt-17")
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "model_not_found"
+    assert post_get(server, "/version").json()["version"]
+
+
+def post_get(server, path):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    return requests.get(f"{server.url}{path}", headers=headers, timeout=10)
+
+
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def test_tokenize_counts_what_a_request_prefills_and_detokenize_reverses_it(
+    server, client, model_id, tokenizer
+):
+    text = "The quick brown fox"
+    tokenized = post(server, "/tokenize", {"model": model_id, "prompt": text}).json()
+    assert tokenized["tokens"] == tokenizer.encode(text)
+    assert tokenized["count"] == len(tokenized["tokens"]) and tokenized["max_model_len"] == 512
+    completion = client.completions.create(model=model_id, prompt=text, max_tokens=1)
+    assert completion.usage.prompt_tokens == tokenized["count"]
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    counts = []
+    for tools in (None, [TOOL]):
+        body = {"messages": messages, **({"tools": tools} if tools else {})}
+        counts.append(post(server, "/tokenize", body).json()["count"])
+        chat = client.chat.completions.create(
+            model=model_id, messages=messages, max_tokens=1, **({"tools": tools} if tools else {})
+        )
+        assert chat.usage.prompt_tokens == counts[-1], tools
+    assert counts[1] > counts[0]  # the tools are in the rendered prompt
+    closed = post(server, "/tokenize", {"messages": messages, "add_generation_prompt": False})
+    assert (
+        closed.json()["count"] < post(server, "/tokenize", {"messages": messages}).json()["count"]
+    )
+
+    strs = post(server, "/tokenize", {"prompt": text, "return_token_strs": True}).json()
+    assert strs["token_strs"] == [tokenizer.token_text(t) for t in tokenized["tokens"]]
+    back = post(server, "/detokenize", {"model": model_id, "tokens": tokenized["tokens"]})
+    assert back.json()["prompt"] == tokenizer.decode(tokenized["tokens"], skip_special_tokens=False)
+    assert text in back.json()["prompt"]
 
 
 def test_overload_gets_429_with_retry_after_then_recovers(server, client, model_id):

@@ -1,0 +1,76 @@
+"""`/tokenize` and `/detokenize` as vLLM serves them: what a prompt or a chat becomes in
+the served model's tokens, and back, so that clients can count tokens (for a budget, or
+a benchmark's exact prompt lengths) without loading the tokenizer themselves.
+
+Called by the frontend's routes. A chat renders through `chat_prompt_ids`, the same
+function /v1/chat/completions prefills from, so its count is that request's
+`usage.prompt_tokens`.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+from cluster.openai_params import message_dict
+from cluster.openai_protocol import ApiError, ChatMessage, ToolDef
+from cluster.tools import with_tools_preamble
+from engine.tokenizer import Tokenizer
+
+
+class TokenizeBody(BaseModel):
+    """Either `prompt` (text) or `messages` (a chat, with its `tools`)."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[ToolDef] | None = None
+    add_special_tokens: bool = True
+    """For `prompt`: the tokenizer's BOS and the like, as /v1/completions adds them."""
+    add_generation_prompt: bool = True
+    """For `messages`: end with the assistant turn opened, as a chat request does."""
+    return_token_strs: bool = False
+
+
+class DetokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    tokens: list[int]
+
+
+def chat_prompt_ids(
+    tokenizer: Tokenizer,
+    messages: list[dict],
+    tools: list[dict] | None,
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """A chat's prompt token ids: the template renders the tools where it reads them,
+    else they go in a preamble message (cluster/tools.py)."""
+    if tools and not tokenizer.template_renders_tools:
+        messages, tools = with_tools_preamble(messages, tools), None
+    return tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=add_generation_prompt
+    )
+
+
+def tokenize(tokenizer: Tokenizer, body: TokenizeBody, max_model_len: int) -> dict:
+    if (body.prompt is None) == (body.messages is None):
+        raise ApiError(400, "send exactly one of 'prompt' and 'messages'", param="prompt")
+    if body.messages is not None:
+        messages = [message_dict(m) for m in body.messages]
+        tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+        ids = chat_prompt_ids(tokenizer, messages, tools or None, body.add_generation_prompt)
+    else:
+        ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    reply = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
+    if body.return_token_strs:
+        reply["token_strs"] = [tokenizer.token_text(t) for t in ids]
+    return reply
+
+
+def detokenize(tokenizer: Tokenizer, body: DetokenizeBody) -> dict:
+    vocab = tokenizer.vocab_size
+    outside = sorted({t for t in body.tokens if not 0 <= t < vocab})
+    if outside:
+        raise ApiError(400, f"tokens outside [0, {vocab}): {outside[:8]}", param="tokens")
+    return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
