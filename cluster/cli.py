@@ -13,6 +13,8 @@ import argparse
 import logging
 import sys
 
+from cluster import package_version
+
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -104,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Disaggregated prefill/decode LLM serving on Ray.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"pdserve {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _generate_parser(sub)
     from cluster.serve import add_serve_parser

@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
-import importlib.metadata
 import json
 import logging
 import os
@@ -31,6 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.sse import format_sse_event
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cluster import package_version
 from cluster.choice_fanout import ChoiceFanout
 from cluster.cluster import PDCluster, RequestTimeoutError
 from cluster.metrics import ClusterMetrics
@@ -142,7 +142,7 @@ def build_app(
 
     @app.get("/version")
     async def version():
-        return {"version": _package_version()}
+        return {"version": package_version()}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -520,13 +520,6 @@ class OwnedStreamingResponse(StreamingResponse):
             self.on_close()
             with contextlib.suppress(Exception):
                 await self.body_iterator.aclose()
-
-
-def _package_version() -> str:
-    try:
-        return importlib.metadata.version("pdserve")
-    except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed
-        return "unknown"
 
 
 def _liveness(worker) -> dict:

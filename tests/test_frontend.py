@@ -337,7 +337,13 @@ def test_a_model_and_the_version_are_served_on_their_own(server, model_id):
     assert post_get(server, f"/v1/models/{model_id}").json() == listed
     missing = post_get(server, "/v1/models/gpt-17")
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "model_not_found"
-    assert post_get(server, "/version").json()["version"]
+    from cluster import package_version
+    from cluster.cli import build_parser
+
+    assert post_get(server, "/version").json() == {"version": package_version()}
+    with pytest.raises(SystemExit) as printed:
+        build_parser().parse_args(["--version"])
+    assert printed.value.code == 0
 
 
 def post_get(server, path):
