@@ -64,10 +64,16 @@ class FrontendSettings:
     tool_call_parser: str = "hermes"
     """How `tool_choice: auto` answers are read for calls (engine/tool_parsers.py), or
     `none` to return them as plain content."""
+    served_model_names: tuple[str, ...] = ()
+    """The names requests may give as `model`, the first one listed by /v1/models and
+    echoed when a request names none. Empty: the model's own name and its --model
+    argument."""
 
     def __post_init__(self) -> None:
         if self.max_body_bytes <= 0 or self.max_in_flight <= 0:
             raise ValueError("max_body_bytes and max_in_flight must be positive")
+        if any(not name.strip() for name in self.served_model_names):
+            raise ValueError("served_model_names must be non-empty strings")
         if self.tool_call_parser not in ("none", *TOOL_PARSERS):
             raise ValueError(
                 f"tool_call_parser must be one of none, {', '.join(TOOL_PARSERS)}; "
@@ -162,7 +168,10 @@ class OpenAIHandler:
         self.metrics = metrics
         self.in_flight = 0
         """Admitted requests not yet closed."""
-        self.model_names = {cluster.model_id, cluster.config.model}
+        aliases = settings.served_model_names
+        self.model_name = aliases[0] if aliases else cluster.model_id
+        """What /v1/models lists, and the `model` of a request that names none."""
+        self.model_names = set(aliases) or {cluster.model_id, cluster.config.model}
         self.names = TokenNames(cluster.tokenizer)
 
     # --- small endpoints --------------------------------------------------------------
@@ -192,7 +201,7 @@ class OpenAIHandler:
             "object": "list",
             "data": [
                 {
-                    "id": self.cluster.model_id,
+                    "id": self.model_name,
                     "object": "model",
                     "created": 0,
                     "owned_by": "pdserve",
@@ -253,7 +262,7 @@ class OpenAIHandler:
         try:
             self.authorize(request)
             parsed = parse_body(kind, await read_json(request, self.settings.max_body_bytes))
-            self.check_model(parsed.model)
+            parsed = self._named(parsed)
             prompts = [self._prompt_ids(parsed, prompt) for prompt in parsed.prompts]
             self._check_named_tokens(parsed)
             request_id = _request_id(kind, request.headers.get("x-request-id"))
@@ -301,11 +310,19 @@ class OpenAIHandler:
             self.check_model(body.model)
         return body
 
+    def _named(self, parsed: ParsedRequest) -> ParsedRequest:
+        """A request's `model` checked, or this server's name where it gives none (as
+        vLLM takes it)."""
+        if parsed.model is None:
+            return dataclasses.replace(parsed, model=self.model_name)
+        self.check_model(parsed.model)
+        return parsed
+
     def check_model(self, model: str) -> None:
         if model not in self.model_names:
             raise ApiError(
                 404,
-                f"model '{model}' does not exist; this server serves '{self.cluster.model_id}'",
+                f"model '{model}' does not exist; this server serves '{self.model_name}'",
                 param="model",
                 kind="model_not_found",
             )

@@ -153,7 +153,7 @@ class StructuredOutputs(BaseModel):
 
 class _Common(BaseModel):
     model_config = ConfigDict(extra="allow", strict=False)
-    model: str
+    model: str | None = None
     max_tokens: int | None = Field(default=None)
     temperature: float = 1.0
     top_p: float = 1.0
@@ -241,7 +241,8 @@ class ChatBody(_Common):
 @dataclass
 class ParsedRequest:
     kind: Literal["completion", "chat"]
-    model: str
+    model: str | None
+    """As the body names it; the frontend fills in its served name where that is None."""
     prompts: list[str | list[int] | list[dict]]
     """Completions: one entry per batched prompt (text or token ids); chat: one list of
     messages, ready for the chat template."""

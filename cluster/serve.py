@@ -27,7 +27,8 @@ def add_serve_parser(sub) -> None:
         "serve",
         help="serve an OpenAI-compatible API over prefill and decode worker pools",
         description="Start (or join) a Ray cluster, start prefill and decode workers, and serve "
-        "/v1/completions, /v1/chat/completions, /v1/models, /health and /metrics. Every "
+        "/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /health and "
+        "/metrics. Every "
         "ClusterConfig key is a flag; flags override the YAML --config file (see "
         "docs/operations.md).",
     )
@@ -51,6 +52,14 @@ def add_serve_parser(sub) -> None:
         "'hermes' (<tool_call>{...}</tool_call> JSON blocks) or 'none' (plain content) "
         "(default: hermes)",
     )
+    parser.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the names clients may give as 'model'; the first is the one /v1/models lists "
+        "(default: the model's own name, e.g. SmolLM2-135M-Instruct for demo)",
+    )
     add_config_flags(parser, ClusterConfig, skip={"cluster_token"})
     parser.set_defaults(func=run_serve)
 
@@ -67,6 +76,7 @@ def run_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or envs.api_key(),
         max_in_flight=args.max_in_flight,
         tool_call_parser=args.tool_call_parser,
+        served_model_names=tuple(args.served_model_name or ()),
     )
     if args.host not in LOOPBACK_HOSTS and not settings.api_key:
         logger.warning(
@@ -88,7 +98,8 @@ async def _serve(config: ClusterConfig, settings, host: str, port: int) -> None:
     try:
         app = build_app(cluster, settings)
         server = _quiet_signals_server(app, host, port)
-        app.router.on_startup.append(lambda: _announce(host, port, cluster.model_id))
+        name = app.state.handler.model_name
+        app.router.on_startup.append(lambda: _announce(host, port, name))
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, server.request_exit)

@@ -18,6 +18,7 @@ from tests.factories import hf_greedy
 pytestmark = pytest.mark.slow
 
 API_KEY = "test-key"
+ALIAS = "house-model"
 MAX_IN_FLIGHT = 16
 
 
@@ -40,6 +41,9 @@ def server(tiny_llama_dir):
         API_KEY,
         "--max-in-flight",
         str(MAX_IN_FLIGHT),
+        "--served-model-name",
+        tiny_llama_dir.name,
+        ALIAS,
     ]
     process = ServerProcess(args)
     yield process
@@ -330,6 +334,27 @@ def test_models_and_health(server, client, model_id):
     health = requests.get(f"{server.url}/health", timeout=5)
     assert health.status_code == 200
     assert health.json()["workers"] == {"prefill": 1, "decode": 1, "colocated": 0}
+
+
+def test_any_served_name_or_none_picks_the_model_and_others_get_404(
+    server, client, model_id, tiny_llama_dir
+):
+    """`--served-model-name` as vLLM takes it: every name it lists is accepted and echoed,
+    the first is the one listed, a request without `model` gets that one, and the model's
+    path (accepted when no names are given) is not."""
+    assert [m.id for m in client.models.list()] == [model_id]
+    answers = {}
+    for name in (model_id, ALIAS, None):
+        body = {"prompt": "The quick brown fox", "max_tokens": 3, "temperature": 0}
+        response = post(server, "/v1/completions", {**body, **({"model": name} if name else {})})
+        assert response.status_code == 200, response.text
+        answers[name] = response.json()
+    assert [answers[name]["model"] for name in answers] == [model_id, ALIAS, model_id]
+    texts = {a["choices"][0]["text"] for a in answers.values()}
+    assert len(texts) == 1
+    by_path = post(server, "/v1/completions", {"model": str(tiny_llama_dir), "prompt": "x"})
+    assert by_path.status_code == 404, by_path.text
+    assert model_id in by_path.json()["error"]["message"]
 
 
 def test_a_model_and_the_version_are_served_on_their_own(server, model_id):
