@@ -330,7 +330,7 @@ class OpenAIHandler:
     def _prompt_ids(self, parsed: ParsedRequest, prompt) -> list[int]:
         tokenizer = self.cluster.tokenizer
         if parsed.kind == "chat":
-            return chat_prompt_ids(tokenizer, prompt, parsed.tools)
+            return chat_prompt_ids(tokenizer, prompt, parsed.tools, parsed.template_options)
         if isinstance(prompt, str):
             return tokenizer.encode(prompt)
         prompt_ids = list(prompt)

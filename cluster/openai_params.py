@@ -64,7 +64,38 @@ def request_of(kind: str, parsed) -> ParsedRequest:
         logprobs=logprobs,
         tools=tools,
         tool_choice=choice,
+        template_options=template_options(parsed) if kind == "chat" else {},
     )
+
+
+_TEMPLATE_CALL_ARGS = frozenset(
+    {"conversation", "messages", "tools", "documents", "chat_template", "tokenize", "padding",
+     "truncation", "max_length", "return_tensors", "return_dict", "tokenizer_kwargs",
+     "return_assistant_tokens_mask", "add_generation_prompt", "continue_final_message"}
+)  # fmt: skip
+"""Arguments of transformers' apply_chat_template: not template variables."""
+
+
+def template_options(parsed) -> dict:
+    """The keyword arguments a chat renders with (`Tokenizer.apply_chat_template`), from a
+    body's `ChatTemplateOptions` fields."""
+    if parsed.add_generation_prompt and parsed.continue_final_message:
+        raise ApiError(
+            400,
+            "continue_final_message needs add_generation_prompt: false",
+            param="continue_final_message",
+        )
+    variables = parsed.chat_template_kwargs or {}
+    clashing = sorted(_TEMPLATE_CALL_ARGS & variables.keys())
+    if clashing:
+        raise ApiError(
+            400, f"chat_template_kwargs may not set {', '.join(clashing)}", "chat_template_kwargs"
+        )
+    return {
+        **variables,
+        "add_generation_prompt": parsed.add_generation_prompt,
+        "continue_final_message": parsed.continue_final_message,
+    }
 
 
 def _prompts_of(kind: str, parsed) -> list:

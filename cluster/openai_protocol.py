@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -66,6 +66,8 @@ _UNSUPPORTED = {
     "function_call": "the legacy 'function_call' parameter is not supported; use 'tool_choice'",
     "suffix": "suffix is not supported by this server",
     "audio": "audio output is not supported by this server",
+    "chat_template": "a chat template per request is not supported; the model's own renders "
+    "every chat",
 }
 """Fields whose silent loss would change results: refused with a 400 (best_of 1 is fine)."""
 
@@ -228,7 +230,19 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-class ChatBody(_Common):
+class ChatTemplateOptions(BaseModel):
+    """vLLM's options for rendering a chat (chat requests and /tokenize)."""
+
+    add_generation_prompt: bool = True
+    """End with the assistant turn opened, for the model to answer."""
+    continue_final_message: bool = False
+    """Leave the final (assistant) message open, for the model to go on with it; needs
+    `add_generation_prompt: false`."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """More variables for the template (e.g. Qwen3's `enable_thinking`)."""
+
+
+class ChatBody(_Common, ChatTemplateOptions):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -261,6 +275,8 @@ class ParsedRequest:
     tools: list[dict] | None = None
     tool_choice: Any = None
     """`cluster.tools.ToolChoice` of a chat request with tools, else None."""
+    template_options: dict = field(default_factory=dict)
+    """Chat: what the template renders with besides messages and tools."""
 
     @property
     def prompt(self) -> str | list[int] | list[dict]:

@@ -9,16 +9,17 @@ function /v1/chat/completions prefills from, so its count is that request's
 
 from __future__ import annotations
 
+from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict
 
-from cluster.openai_params import message_dict
-from cluster.openai_protocol import ApiError, ChatMessage, ToolDef
+from cluster.openai_params import message_dict, template_options
+from cluster.openai_protocol import ApiError, ChatMessage, ChatTemplateOptions, ToolDef
 from cluster.tools import with_tools_preamble
 from engine.tokenizer import Tokenizer
 
 
-class TokenizeBody(BaseModel):
-    """Either `prompt` (text) or `messages` (a chat, with its `tools`)."""
+class TokenizeBody(ChatTemplateOptions):
+    """Either `prompt` (text) or `messages` (a chat, with its `tools` and template options)."""
 
     model_config = ConfigDict(extra="allow")
     model: str | None = None
@@ -27,8 +28,6 @@ class TokenizeBody(BaseModel):
     tools: list[ToolDef] | None = None
     add_special_tokens: bool = True
     """For `prompt`: the tokenizer's BOS and the like, as /v1/completions adds them."""
-    add_generation_prompt: bool = True
-    """For `messages`: end with the assistant turn opened, as a chat request does."""
     return_token_strs: bool = False
 
 
@@ -39,18 +38,20 @@ class DetokenizeBody(BaseModel):
 
 
 def chat_prompt_ids(
-    tokenizer: Tokenizer,
-    messages: list[dict],
-    tools: list[dict] | None,
-    add_generation_prompt: bool = True,
+    tokenizer: Tokenizer, messages: list[dict], tools: list[dict] | None, options: dict
 ) -> list[int]:
     """A chat's prompt token ids: the template renders the tools where it reads them,
-    else they go in a preamble message (cluster/tools.py)."""
+    else they go in a preamble message (cluster/tools.py). `options`: from
+    `openai_params.template_options`. Messages the template refuses (its
+    raise_exception, say "roles must alternate") are the client's mistake: a 400."""
     if tools and not tokenizer.template_renders_tools:
         messages, tools = with_tools_preamble(messages, tools), None
-    return tokenizer.apply_chat_template(
-        messages, tools=tools, add_generation_prompt=add_generation_prompt
-    )
+    try:
+        return tokenizer.apply_chat_template(messages, tools=tools, **options)
+    except (TemplateError, ValueError) as exc:
+        raise ApiError(
+            400, f"the chat template cannot render these messages: {exc}", param="messages"
+        ) from None
 
 
 def tokenize(tokenizer: Tokenizer, body: TokenizeBody, max_model_len: int) -> dict:
@@ -59,7 +60,7 @@ def tokenize(tokenizer: Tokenizer, body: TokenizeBody, max_model_len: int) -> di
     if body.messages is not None:
         messages = [message_dict(m) for m in body.messages]
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
-        ids = chat_prompt_ids(tokenizer, messages, tools or None, body.add_generation_prompt)
+        ids = chat_prompt_ids(tokenizer, messages, tools or None, template_options(body))
     else:
         ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     reply = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}

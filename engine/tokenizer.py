@@ -68,12 +68,18 @@ class Tokenizer:
         messages: list[dict],
         tools: list[dict] | None = None,
         add_generation_prompt: bool = True,
+        **options,
     ) -> list[int]:
         """Prompt token ids for a chat, with the assistant turn opened unless told not to;
         `tools` (OpenAI function definitions) are passed to the template, which may
-        render them."""
+        render them; `options`: transformers' `continue_final_message` and the
+        template's own variables."""
         text = self.hf.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages,
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **options,
         )
         return self._encode(text, add_special_tokens=False)
 

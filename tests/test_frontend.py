@@ -288,6 +288,17 @@ BAD_INPUTS = [
         None,
         400,
     ),
+    (
+        "continue the final message and open a new one",
+        "/v1/chat/completions",
+        {
+            "model": "M",
+            "messages": [{"role": "assistant", "content": "x"}],
+            "continue_final_message": True,
+        },
+        None,
+        400,
+    ),
     ("tokenize neither", "/tokenize", {"model": "M"}, None, 400),
     (
         "tokenize both",
@@ -410,6 +421,16 @@ def test_tokenize_counts_what_a_request_prefills_and_detokenize_reverses_it(
     assert (
         closed.json()["count"] < post(server, "/tokenize", {"messages": messages}).json()["count"]
     )
+
+    started = [*messages, {"role": "assistant", "content": "The answer is"}]
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    opened = post(server, "/tokenize", {"messages": started, **options}).json()
+    assert opened["tokens"] == tokenizer.apply_chat_template(started, **options)
+    assert tokenizer.decode(opened["tokens"]).endswith("The answer is")
+    chat = client.chat.completions.create(
+        model=model_id, messages=started, max_tokens=1, extra_body=options
+    )
+    assert chat.usage.prompt_tokens == opened["count"]
 
     strs = post(server, "/tokenize", {"prompt": text, "return_token_strs": True}).json()
     assert strs["token_strs"] == [tokenizer.token_text(t) for t in tokenized["tokens"]]

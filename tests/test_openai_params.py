@@ -104,6 +104,9 @@ def test_chat_logprobs_and_structured_outputs():
         ("completion", completion(cache_salt=""), "cache_salt"),
         ("chat", chat(cache_salt="x" * 1025), "cache_salt"),
         ("chat", chat(cache_salt=7), "cache_salt"),
+        ("chat", chat(continue_final_message=True), "continue_final_message"),
+        ("chat", chat(chat_template_kwargs={"tokenize": True}), "chat_template_kwargs"),
+        ("chat", chat(chat_template="{{ messages }}"), "chat_template"),
     ],
 )
 def test_refused_bodies_get_a_400_naming_the_parameter(kind, body, param):
@@ -112,6 +115,43 @@ def test_refused_bodies_get_a_400_naming_the_parameter(kind, body, param):
     assert caught.value.status == 400
     if param is not None:
         assert caught.value.param == param, caught.value.message
+
+
+def test_chat_template_options_reach_the_template():
+    parsed = parse_body(
+        "chat",
+        chat(
+            add_generation_prompt=False,
+            continue_final_message=True,
+            chat_template_kwargs={"enable_thinking": False},
+        ),
+    )
+    assert parsed.template_options == {
+        "enable_thinking": False,
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+    }
+    defaults = parse_body("chat", chat()).template_options
+    assert defaults == {"add_generation_prompt": True, "continue_final_message": False}
+
+
+def test_messages_the_chat_template_refuses_are_a_400(tiny_llama_dir):
+    """A template's raise_exception (Llama 2's and Mistral's "roles must alternate") or a
+    final message transformers cannot leave open is the client's mistake, not a 500."""
+    from cluster.tokenize_api import chat_prompt_ids
+    from engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(tiny_llama_dir)
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}]
+    tokenizer.hf.chat_template = "{% for m in messages %}{{ m['content'] | upper }}{% endfor %}"
+    continuing = {"add_generation_prompt": False, "continue_final_message": True}
+    with pytest.raises(ApiError) as caught:  # "Hello" is not in "HIHELLO": nowhere to go on
+        chat_prompt_ids(tokenizer, chat, None, continuing)
+    assert caught.value.status == 400 and caught.value.param == "messages"
+    tokenizer.hf.chat_template = "{{ raise_exception('roles must alternate user/assistant') }}"
+    with pytest.raises(ApiError) as caught:
+        chat_prompt_ids(tokenizer, chat, None, {})
+    assert caught.value.status == 400 and "roles must alternate" in caught.value.message
 
 
 def test_best_of_one_is_accepted():
