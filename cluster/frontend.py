@@ -267,11 +267,7 @@ class OpenAIHandler:
             self._check_named_tokens(parsed)
             request_id = _request_id(kind, request.headers.get("x-request-id"))
             reqs = [
-                self.cluster.open_request(
-                    prompts[index // parsed.n],
-                    _choice_params(parsed, index % parsed.n),
-                    _choice_id(request_id, index, parsed.num_choices),
-                )
+                self._open_choice(parsed, prompts, index, request_id)
                 for index in range(parsed.num_choices)
             ]
         except ApiError:
@@ -339,6 +335,20 @@ class OpenAIHandler:
                 400, f"prompt token ids must be in [0, {tokenizer.vocab_size})", param="prompt"
             )
         return prompt_ids
+
+    def _open_choice(
+        self, parsed: ParsedRequest, prompts: list[list[int]], index: int, request_id: str
+    ) -> ClusterRequest:
+        """Choice `index` of the request: prompt index // n, sampled with seed + index % n,
+        its default max_tokens cut to the context its prompt leaves (when that leaves
+        room for min_tokens: otherwise `open_request` refuses it as too long)."""
+        prompt_ids, params = prompts[index // parsed.n], _choice_params(parsed, index % parsed.n)
+        room = self.cluster.max_model_len - len(prompt_ids)
+        if not parsed.max_tokens_sent and max(1, params.min_tokens) <= room < params.max_tokens:
+            params = dataclasses.replace(params, max_tokens=room)
+        return self.cluster.open_request(
+            prompt_ids, params, _choice_id(request_id, index, parsed.num_choices)
+        )
 
     def _check_named_tokens(self, parsed: ParsedRequest) -> None:
         """logit_bias and stop_token_ids name tokens of the served vocabulary: an id past it

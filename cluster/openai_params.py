@@ -65,6 +65,8 @@ def request_of(kind: str, parsed) -> ParsedRequest:
         tools=tools,
         tool_choice=choice,
         template_options=template_options(parsed) if kind == "chat" else {},
+        max_tokens_sent=(getattr(parsed, "max_completion_tokens", None) or parsed.max_tokens)
+        is not None,
     )
 
 

@@ -277,6 +277,8 @@ class ParsedRequest:
     """`cluster.tools.ToolChoice` of a chat request with tools, else None."""
     template_options: dict = field(default_factory=dict)
     """Chat: what the template renders with besides messages and tools."""
+    max_tokens_sent: bool = True
+    """False: `params.max_tokens` is the default, and shrinks to a long prompt's room."""
 
     @property
     def prompt(self) -> str | list[int] | list[dict]:
@@ -319,10 +321,16 @@ def check_sampling(**fields) -> SamplingParams:
         raise ApiError(400, str(exc), param=name if name in fields else None) from None
 
 
+DEFAULT_MAX_TOKENS = 256
+"""max_tokens of a request that sends none, where its prompt leaves that much room; else
+the room left (as vLLM fills the context), so a long prompt is not refused for a limit
+its client never set."""
+
+
 def max_tokens_of(parsed) -> int:
     max_tokens = getattr(parsed, "max_completion_tokens", None) or parsed.max_tokens
     if max_tokens is None:
-        return 256
+        return DEFAULT_MAX_TOKENS
     if not 0 <= max_tokens <= MAX_TOKENS_LIMIT or (max_tokens == 0 and not _echoes(parsed)):
         raise ApiError(
             400,

@@ -368,6 +368,21 @@ def test_any_served_name_or_none_picks_the_model_and_others_get_404(
     assert model_id in by_path.json()["error"]["message"]
 
 
+def test_a_long_prompt_without_max_tokens_fills_the_context_left(server, model_id, tokenizer):
+    """No max_tokens: 256 where the prompt leaves room, else the room left (as vLLM). Sent,
+    it is taken as sent: a prompt plus max_tokens past the context is refused."""
+    prompt = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 60)[:500]
+    body = {"model": model_id, "prompt": prompt, "temperature": 0, "ignore_eos": True}
+    filled = post(server, "/v1/completions", body)
+    assert filled.status_code == 200, filled.text
+    usage = filled.json()["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (500, 12)
+    for refused in ({"max_tokens": 13}, {"min_tokens": 13}):
+        response = post(server, "/v1/completions", {**body, **refused})
+        assert response.status_code == 400, (refused, response.text)
+        assert "512" in response.json()["error"]["message"]
+
+
 def test_a_model_and_the_version_are_served_on_their_own(server, model_id):
     listed = post_get(server, "/v1/models").json()["data"][0]
     assert post_get(server, f"/v1/models/{model_id}").json() == listed
