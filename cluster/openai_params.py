@@ -166,6 +166,7 @@ def _sampling_fields(parsed) -> dict:
         stop=stops,
         ignore_eos=parsed.ignore_eos,
         include_stop_str_in_output=parsed.include_stop_str_in_output,
+        skip_special_tokens=parsed.skip_special_tokens,
         min_tokens=parsed.min_tokens,
         presence_penalty=parsed.presence_penalty,
         frequency_penalty=parsed.frequency_penalty,

@@ -174,6 +174,7 @@ class _Common(BaseModel):
     logit_bias: dict[str, float] | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     response_format: ResponseFormat | None = None
     guided_json: dict | str | None = None
     guided_regex: str | None = None

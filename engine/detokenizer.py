@@ -18,8 +18,11 @@ _REPLACEMENT_CHAR = "\ufffd"
 class IncrementalDetokenizer:
     """One per request; `push` is called with each new token id, in order."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True
+    ):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.token_ids = list(prompt_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.token_ids)
@@ -28,9 +31,8 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """Append a token; return the text it completes (possibly empty)."""
         self.token_ids.append(token_id)
-        decode = self.tokenizer.decode
-        prefix_text = decode(self.token_ids[self.prefix_offset : self.read_offset])
-        full_text = decode(self.token_ids[self.prefix_offset :])
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.token_ids[self.prefix_offset :])
         if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT_CHAR):
             return ""
         delta = full_text[len(prefix_text) :]
@@ -41,9 +43,12 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end of a request: whatever is still held back, even an incomplete character."""
-        prefix_text = self.tokenizer.decode(self.token_ids[self.prefix_offset : self.read_offset])
-        full_text = self.tokenizer.decode(self.token_ids[self.prefix_offset :])
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.token_ids[self.prefix_offset :])
         delta = full_text[len(prefix_text) :] if full_text.startswith(prefix_text) else ""
         self.prefix_offset = self.read_offset = len(self.token_ids)
         self.text += delta
         return delta
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)

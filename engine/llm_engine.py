@@ -363,7 +363,9 @@ class LLMEngine:
     def _replay_text(self, seq: Sequence, emitted_text_len: int | None) -> None:
         """Rebuild the text of tokens decided elsewhere, so that text held back there (a
         partial UTF-8 character, a possible stop string) is still streamed from here."""
-        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
+        seq.detokenizer = IncrementalDetokenizer(
+            self.tokenizer, seq.prompt_token_ids, seq.params.skip_special_tokens
+        )
         for token_id in seq.output_token_ids:
             seq.output_text += seq.detokenizer.push(token_id)
         known = len(seq.output_text) if emitted_text_len is None else emitted_text_len

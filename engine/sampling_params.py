@@ -53,6 +53,9 @@ class SamplingParams:
     """Stop strings; the output text is cut before the first match."""
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    """Leave special tokens (EOS, chat markers) out of the output text; stop strings are
+    matched in the text as it is streamed."""
     min_tokens: int = 0
     """Until this many tokens are out, EOS and `stop_token_ids` cannot be sampled and
     stop strings are not looked for."""

@@ -51,6 +51,7 @@ def test_sampling_fields_reach_the_params():
             logit_bias={"7": 150, "9": -3},
             stop_token_ids=[4],
             cache_salt="tenant-a",
+            skip_special_tokens=False,
         ),
     )
     p = parsed.params
@@ -58,6 +59,7 @@ def test_sampling_fields_reach_the_params():
     assert (p.logprobs, p.prompt_logprobs, parsed.echo, parsed.echo_only) == (2, 2, True, False)
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.5, 1.2)
     assert p.logit_bias == ((7, 100.0), (9, -3.0)) and p.stop_token_ids == (4,)
+    assert not p.skip_special_tokens and parse_body("chat", chat()).params.skip_special_tokens
     assert p.min_tokens == 2 and p.cache_salt == "tenant-a"
     scoring = parse_body("completion", completion(echo=True, logprobs=0, max_tokens=0))
     assert scoring.echo_only and scoring.params.max_tokens == 1

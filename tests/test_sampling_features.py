@@ -204,6 +204,25 @@ def test_logit_bias_forces_and_bans(tiny_llama_dir):
     assert_no_leaks(engine)
 
 
+def test_special_tokens_reach_the_text_only_when_asked(tiny_llama_dir):
+    """EOS forced mid-output (ignore_eos keeps going): skipped from the text by default,
+    as its own text with skip_special_tokens=False; the token ids are the same."""
+    engine = make_engine(tiny_llama_dir)
+    eos = min(engine.tokenizer.eos_token_ids)
+    eos_text = engine.tokenizer.token_text(eos)
+    texts = {}
+    for skip in (True, False):
+        params = SamplingParams(
+            max_tokens=3, temperature=0.0, ignore_eos=True, skip_special_tokens=skip,
+            logit_bias=((eos, 100.0),),
+        )  # fmt: skip
+        seq = run(engine, prompt_of(9), params, f"s{skip}")[0]
+        assert seq.output_token_ids == [eos] * 3
+        texts[skip] = seq.output_text
+    assert eos_text and texts == {True: "", False: eos_text * 3}
+    assert_no_leaks(engine)
+
+
 # --- structured output -----------------------------------------------------------------
 
 SCHEMA = {
