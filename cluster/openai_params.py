@@ -162,6 +162,7 @@ def _sampling_fields(parsed) -> dict:
         temperature=parsed.temperature,
         top_p=parsed.top_p,
         top_k=parsed.top_k if parsed.top_k > 0 else 0,
+        min_p=parsed.min_p,
         seed=parsed.seed,
         stop=stops,
         ignore_eos=parsed.ignore_eos,

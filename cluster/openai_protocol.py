@@ -68,6 +68,14 @@ _UNSUPPORTED = {
     "audio": "audio output is not supported by this server",
     "chat_template": "a chat template per request is not supported; the model's own renders "
     "every chat",
+    "use_beam_search": "beam search is not supported by this server",
+    "bad_words": "bad_words is not supported; logit_bias bans single tokens",
+    "allowed_token_ids": "allowed_token_ids is not supported; guided_choice or guided_regex "
+    "constrain the output",
+    "prompt_logprobs": "prompt_logprobs is not supported; a completions request with echo and "
+    "logprobs returns the prompt's",
+    "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported",
+    "truncate_prompt_tokens": "truncate_prompt_tokens is not supported: send the prompt to keep",
 }
 """Fields whose silent loss would change results: refused with a 400 (best_of 1 is fine)."""
 
@@ -160,6 +168,7 @@ class _Common(BaseModel):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False

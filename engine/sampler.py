@@ -132,7 +132,7 @@ class Sampler:
     ) -> list[int]:
         device = logits.device
         temperature = torch.tensor([p.temperature for p in params], device=device)
-        probs = torch.softmax(logits / temperature[:, None], dim=-1)
+        probs = _keep_min_p(torch.softmax(logits / temperature[:, None], dim=-1), params)
         uniform = self._uniforms(params, output_indices, device)
         vocab = probs.shape[-1]
         truncated = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
@@ -212,6 +212,19 @@ def _logprobs(
     for row, entry in zip(rows, computed, strict=True):
         result[row] = entry
     return result
+
+
+def _keep_min_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Rows with min_p: probabilities under min_p x the row's largest set to zero, the rest
+    renormalized (top-p then measures its nucleus within what min_p kept)."""
+    rows = [i for i, p in enumerate(params) if p.min_p > 0.0]
+    if not rows:
+        return probs
+    kept = probs[rows]
+    floor = torch.tensor([params[i].min_p for i in rows], device=probs.device)
+    kept = kept.masked_fill(kept < floor[:, None] * kept.amax(dim=-1, keepdim=True), 0.0)
+    probs[rows] = kept / kept.sum(dim=-1, keepdim=True)
+    return probs
 
 
 def _draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     """0 disables top-k."""
+    min_p: float = 0.0
+    """Tokens less likely than min_p x the likeliest one (after temperature) are not drawn;
+    applied before top-k and top-p, as vLLM does (0 disables)."""
     seed: int | None = None
     """Same seed, same output; also continues deterministically after a migration."""
     stop_token_ids: tuple[int, ...] = ()
@@ -89,6 +92,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
         if not 0.0 < float(self.top_p) <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not 0.0 <= float(self.min_p) <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(
                 f"top_k must be a non-negative integer (0 disables), got {self.top_k!r}"

@@ -52,6 +52,7 @@ def test_sampling_fields_reach_the_params():
             stop_token_ids=[4],
             cache_salt="tenant-a",
             skip_special_tokens=False,
+            min_p=0.05,
         ),
     )
     p = parsed.params
@@ -60,6 +61,7 @@ def test_sampling_fields_reach_the_params():
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.5, 1.2)
     assert p.logit_bias == ((7, 100.0), (9, -3.0)) and p.stop_token_ids == (4,)
     assert not p.skip_special_tokens and parse_body("chat", chat()).params.skip_special_tokens
+    assert p.min_p == 0.05
     assert p.min_tokens == 2 and p.cache_salt == "tenant-a"
     scoring = parse_body("completion", completion(echo=True, logprobs=0, max_tokens=0))
     assert scoring.echo_only and scoring.params.max_tokens == 1
@@ -109,6 +111,12 @@ def test_chat_logprobs_and_structured_outputs():
         ("chat", chat(continue_final_message=True), "continue_final_message"),
         ("chat", chat(chat_template_kwargs={"tokenize": True}), "chat_template_kwargs"),
         ("chat", chat(chat_template="{{ messages }}"), "chat_template"),
+        ("completion", completion(use_beam_search=True), "use_beam_search"),
+        ("completion", completion(bad_words=["x"]), "bad_words"),
+        ("chat", chat(allowed_token_ids=[1, 2]), "allowed_token_ids"),
+        ("completion", completion(prompt_logprobs=2), "prompt_logprobs"),
+        ("completion", completion(truncate_prompt_tokens=5), "truncate_prompt_tokens"),
+        ("completion", completion(min_p=-0.1), "min_p"),
     ],
 )
 def test_refused_bodies_get_a_400_naming_the_parameter(kind, body, param):

@@ -79,6 +79,23 @@ def test_top_p_applies_to_the_renormalized_top_k():
     assert abs(counts[0] / 4000 - 0.4 / 0.7) < 0.04
 
 
+def test_min_p_keeps_what_is_likely_enough_then_top_p_measures_within_it():
+    probs = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
+    logits = probs.log().expand(4000, 5).contiguous()
+    params = [SamplingParams(temperature=1.0, min_p=0.3, seed=i) for i in range(4000)]
+    counts = torch.bincount(torch.tensor(Sampler().sample(logits, params, [0] * 4000)), minlength=5)
+    # kept: p >= 0.3 x 0.4 = 0.12, so 0.4, 0.3, 0.15, renormalized over their 0.85
+    assert counts[3:].sum() == 0
+    assert abs(counts[0] / 4000 - 0.4 / 0.85) < 0.04 and counts[2] > 0
+    # top_p 0.8 over the renormalized 0.47, 0.35, 0.18: the first two (over all five
+    # it would need the third too)
+    both = [SamplingParams(temperature=1.0, min_p=0.3, top_p=0.8, seed=i) for i in range(4000)]
+    counts = torch.bincount(torch.tensor(Sampler().sample(logits, both, [0] * 4000)), minlength=5)
+    assert counts[2:].sum() == 0
+    greedy = [SamplingParams(temperature=1.0, min_p=1.0, seed=i) for i in range(64)]
+    assert set(Sampler().sample(logits[:64], greedy, [0] * 64)) == {0}
+
+
 def test_a_nucleus_wider_than_the_candidate_cut_stays_exact():
     vocab = 3000
     # A slow decay: the 0.9 nucleus needs ~2000 tokens, past the 1024-token cut.
@@ -155,7 +172,14 @@ def test_stop_string_cuts_text_and_streams_nothing_past_it(tiny_llama_dir):
 
 @pytest.mark.parametrize(
     "bad",
-    [dict(max_tokens=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-2), dict(stop=("",))],
+    [
+        dict(max_tokens=0),
+        dict(temperature=-1.0),
+        dict(top_p=0.0),
+        dict(top_k=-2),
+        dict(stop=("",)),
+        dict(min_p=1.5),
+    ],
 )
 def test_invalid_sampling_params_are_rejected(bad):
     with pytest.raises(ValueError):
