@@ -42,6 +42,7 @@ from cluster.tokenize_api import (
     DetokenizeBody,
     TokenizeBody,
     chat_prompt_ids,
+    check_token_ids,
     detokenize,
     tokenize,
 )
@@ -329,12 +330,8 @@ class OpenAIHandler:
             return chat_prompt_ids(tokenizer, prompt, parsed.tools, parsed.template_options)
         if isinstance(prompt, str):
             return tokenizer.encode(prompt)
-        prompt_ids = list(prompt)
-        if any(not 0 <= t < tokenizer.vocab_size for t in prompt_ids):
-            raise ApiError(
-                400, f"prompt token ids must be in [0, {tokenizer.vocab_size})", param="prompt"
-            )
-        return prompt_ids
+        check_token_ids(tokenizer, prompt, "prompt")
+        return list(prompt)
 
     def _open_choice(
         self, parsed: ParsedRequest, prompts: list[list[int]], index: int, request_id: str
@@ -353,17 +350,11 @@ class OpenAIHandler:
     def _check_named_tokens(self, parsed: ParsedRequest) -> None:
         """logit_bias and stop_token_ids name tokens of the served vocabulary: an id past it
         would otherwise be dropped in silence (the bias) or never match (the stop)."""
-        vocab = self.cluster.tokenizer.vocab_size
-        named = {
-            "logit_bias": [token_id for token_id, _ in parsed.params.logit_bias],
-            "stop_token_ids": parsed.params.stop_token_ids,
-        }
-        for param, token_ids in named.items():
-            outside = sorted({t for t in token_ids if not 0 <= t < vocab})
-            if outside:
-                raise ApiError(
-                    400, f"{param} names token ids outside [0, {vocab}): {outside[:8]}", param
-                )
+        tokenizer = self.cluster.tokenizer
+        check_token_ids(
+            tokenizer, [token_id for token_id, _ in parsed.params.logit_bias], "logit_bias"
+        )
+        check_token_ids(tokenizer, parsed.params.stop_token_ids, "stop_token_ids")
 
     def _admit(self, count: int) -> None:
         """Counts the request's choices from here until each closes (`_count_outcome`)."""

@@ -19,6 +19,7 @@ import contextlib
 import json
 
 from cluster.openai_protocol import (
+    DEFAULT_MAX_TOKENS,
     MAX_CHOICES,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
@@ -41,7 +42,8 @@ def request_of(kind: str, parsed) -> ParsedRequest:
         )
     tools, choice = _tools_of(parsed) if kind == "chat" else (None, None)
     logprobs, prompt_logprobs = _logprobs_of(kind, parsed)
-    max_tokens = max_tokens_of(parsed)
+    sent_max_tokens = max_tokens_of(parsed)
+    max_tokens = DEFAULT_MAX_TOKENS if sent_max_tokens is None else sent_max_tokens
     params = check_sampling(
         max_tokens=max(1, max_tokens),
         prompt_logprobs=prompt_logprobs,
@@ -65,8 +67,7 @@ def request_of(kind: str, parsed) -> ParsedRequest:
         tools=tools,
         tool_choice=choice,
         template_options=template_options(parsed) if kind == "chat" else {},
-        max_tokens_sent=(getattr(parsed, "max_completion_tokens", None) or parsed.max_tokens)
-        is not None,
+        max_tokens_sent=sent_max_tokens is not None,
     )
 
 

@@ -337,10 +337,11 @@ the room left (as vLLM fills the context), so a long prompt is not refused for a
 its client never set."""
 
 
-def max_tokens_of(parsed) -> int:
+def max_tokens_of(parsed) -> int | None:
+    """The body's max_tokens (or max_completion_tokens), checked; None where it sends none."""
     max_tokens = getattr(parsed, "max_completion_tokens", None) or parsed.max_tokens
     if max_tokens is None:
-        return DEFAULT_MAX_TOKENS
+        return None
     if not 0 <= max_tokens <= MAX_TOKENS_LIMIT or (max_tokens == 0 and not _echoes(parsed)):
         raise ApiError(
             400,

@@ -70,8 +70,13 @@ def tokenize(tokenizer: Tokenizer, body: TokenizeBody, max_model_len: int) -> di
 
 
 def detokenize(tokenizer: Tokenizer, body: DetokenizeBody) -> dict:
-    vocab = tokenizer.vocab_size
-    outside = sorted({t for t in body.tokens if not 0 <= t < vocab})
-    if outside:
-        raise ApiError(400, f"tokens outside [0, {vocab}): {outside[:8]}", param="tokens")
+    check_token_ids(tokenizer, body.tokens, "tokens")
     return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+
+def check_token_ids(tokenizer: Tokenizer, token_ids, param: str) -> None:
+    """A 400 naming `param` where a token id lies outside the served vocabulary."""
+    vocab = tokenizer.vocab_size
+    outside = sorted({t for t in token_ids if not 0 <= t < vocab})
+    if outside:
+        raise ApiError(400, f"{param} holds token ids outside [0, {vocab}): {outside[:8]}", param)
