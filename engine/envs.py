@@ -30,8 +30,9 @@ def kernel_cache_dir() -> Path:
 
 def kernel_vector_width() -> int | None:
     """PDSERVE_KERNEL_VECTOR_WIDTH: 8 or 16 floats per vector for the native CPU kernels
-    (default: 16 where the CPU has AVX-512F, else 8). The bf16 kernels exist only in the
-    16-wide build: at 8, bf16 runs on torch."""
+    (default: 16 where the CPU has AVX-512F, else 8; 16 without AVX-512F runs, slower).
+    The bf16 kernels exist only in the 16-wide build on AVX512-BF16: elsewhere bf16 runs
+    on torch."""
     value = os.environ.get("PDSERVE_KERNEL_VECTOR_WIDTH", "").strip()
     if not value:
         return None
