@@ -27,10 +27,9 @@ def add_serve_parser(sub) -> None:
         "serve",
         help="serve an OpenAI-compatible API over prefill and decode worker pools",
         description="Start (or join) a Ray cluster, start prefill and decode workers, and serve "
-        "/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /health and "
-        "/metrics. Every "
-        "ClusterConfig key is a flag; flags override the YAML --config file (see "
-        "docs/operations.md).",
+        "/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /health "
+        "and /metrics. Every ClusterConfig key is a flag; flags override the YAML --config "
+        "file (see docs/operations.md).",
     )
     parser.add_argument("--config", help="YAML file with ClusterConfig keys")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")

@@ -212,6 +212,11 @@ def post(server, path, body, headers=None, raw=None):
     return requests.post(f"{server.url}{path}", json=body, headers=headers, timeout=30)
 
 
+def get(server, path):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    return requests.get(f"{server.url}{path}", headers=headers, timeout=10)
+
+
 BAD_INPUTS = [
     ("malformed json", "/v1/completions", None, b"{not json", 400),
     (
@@ -384,22 +389,17 @@ def test_a_long_prompt_without_max_tokens_fills_the_context_left(server, model_i
 
 
 def test_a_model_and_the_version_are_served_on_their_own(server, model_id):
-    listed = post_get(server, "/v1/models").json()["data"][0]
-    assert post_get(server, f"/v1/models/{model_id}").json() == listed
-    missing = post_get(server, "/v1/models/gpt-17")
+    listed = get(server, "/v1/models").json()["data"][0]
+    assert get(server, f"/v1/models/{model_id}").json() == listed
+    missing = get(server, "/v1/models/gpt-17")
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "model_not_found"
     from cluster import package_version
     from cluster.cli import build_parser
 
-    assert post_get(server, "/version").json() == {"version": package_version()}
+    assert get(server, "/version").json() == {"version": package_version()}
     with pytest.raises(SystemExit) as printed:
         build_parser().parse_args(["--version"])
     assert printed.value.code == 0
-
-
-def post_get(server, path):
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    return requests.get(f"{server.url}{path}", headers=headers, timeout=10)
 
 
 TOOL = {
