@@ -11,10 +11,11 @@ stream, where the prefill core idles between prompts, the decode worker's core i
 shared and its TPOT rose from ~28.5 to ~32 ms. Pinning the workers alone, the rest
 left on every core, lost at 16 streams and at one (docs/benchmarks.md).
 
-The controller makes the plan when it starts Ray itself (`Controller.init_ray`), pins
-its own process to `others` before `ray.init` so that Ray's processes inherit them, and
+The controller makes the plan when it starts Ray itself (`Controller.init_ray`) and
 puts each worker's cores in its `WorkerSpec`; the worker pins itself
-(`engine.cpu_affinity`). No plan where it cannot hold: GPU pools, a Ray cluster joined
+(`engine.cpu_affinity`). Ray starts and the workers import on every core; once every
+worker is up, the controller moves its own process and Ray's onto `others`, and the
+processes the raylet starts later inherit them. No plan where it cannot hold: GPU pools, a Ray cluster joined
 by address, colocated workers (one worker has every core), warm spares (a spare that
 takes over would need the dead worker's cores), or more worker threads than cores.
 """

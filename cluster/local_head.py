@@ -63,6 +63,20 @@ def start_local_head(namespace: str) -> None:
             ray.shutdown()
 
 
+def local_head_pids() -> list[int]:
+    """Every process of the local head this driver started: Ray's own (GCS, raylet,
+    agents, monitors) and the worker processes the raylet spawned (ours among them, idle
+    ones too). Empty when this process started no head."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    if node is None or not ray.is_initialized():
+        return []
+    pids = []
+    for infos in node.all_processes.values():
+        for info in infos:
+            pids += [info.process.pid, *(child.pid for child in _children(info.process.pid))]
+    return pids
+
+
 def _is_stalled_start(exc: Exception) -> bool:
     return any(sign in str(exc) for sign in STALLED_START_SIGNS)
 

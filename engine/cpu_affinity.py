@@ -1,9 +1,9 @@
 """Keep a process's threads on a set of cores (Linux; elsewhere a no-op).
 
-A local CPU cluster gives each worker its own cores (`cluster/core_plan.py`): the
-controller pins the driver before Ray starts, so that Ray's own processes inherit its
-cores, and each worker pins itself before it builds its engine, so that the OpenMP
-threads its first step creates inherit the worker's cores.
+A local CPU cluster gives each worker its own cores (`cluster/core_plan.py`): each
+worker pins itself before it builds its engine, so that the OpenMP threads its first
+step creates inherit the worker's cores, and once every worker is up the controller
+moves the driver and Ray's own processes onto the cores left to them.
 """
 
 from __future__ import annotations
@@ -23,16 +23,22 @@ def process_cores() -> tuple[int, ...]:
     return tuple(sorted(os.sched_getaffinity(0)))
 
 
-def pin_process(cores: Iterable[int]) -> None:
-    """Every thread of this process, and every thread they start later, on `cores`.
+def pin_process(cores: Iterable[int], pid: int | None = None) -> None:
+    """Every thread of process `pid` (default: this one), and every thread or process
+    they start later, on `cores`.
 
     `sched_setaffinity` moves one thread; a thread started later inherits its starter's
-    cores, so each thread that exists now is moved by its id. A thread that ends
-    meanwhile is skipped."""
+    cores, so each thread that exists now is moved by its id. A thread (or the whole
+    process) that ends meanwhile is skipped."""
     wanted = set(cores)
     if not wanted or not pinning_supported():
         return
-    for name in os.listdir("/proc/self/task"):
+    tasks = f"/proc/{'self' if pid is None else pid}/task"
+    try:
+        names = os.listdir(tasks)
+    except FileNotFoundError:
+        return
+    for name in names:
         try:
             os.sched_setaffinity(int(name), wanted)
         except (ProcessLookupError, PermissionError):

@@ -10,6 +10,7 @@ import pytest
 import ray
 
 from cluster.cluster import PDCluster
+from cluster.local_head import local_head_pids
 from engine.cpu_affinity import pinning_supported, process_cores
 from engine.native.ops import native_kernels
 from tests.cluster_helpers import (
@@ -132,11 +133,18 @@ def test_workers_use_the_configured_thread_count_and_report_timings(tiny_llama_d
         assert timings[phase] is not None and timings[phase] >= 0, phase
 
 
+def _alive(pid: int) -> bool:
+    return os.path.isdir(f"/proc/{pid}/task")
+
+
 def _thread_cores(pid: int) -> set[tuple[int, ...]]:
-    """The distinct core sets of process `pid`'s threads."""
-    return {
-        tuple(sorted(os.sched_getaffinity(int(tid)))) for tid in os.listdir(f"/proc/{pid}/task")
-    }
+    """The distinct core sets of process `pid`'s threads (a thread that ends meanwhile
+    is skipped)."""
+    found = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):
+            found.add(tuple(sorted(os.sched_getaffinity(int(tid)))))
+    return found
 
 
 @pytest.mark.skipif(
@@ -144,8 +152,8 @@ def _thread_cores(pid: int) -> set[tuple[int, ...]]:
 )
 def test_each_worker_runs_on_its_own_cores_and_the_driver_gets_its_back(tiny_llama_dir, reference):
     """1 + 1 workers of one thread: the prefill worker alone on the first core, the decode
-    worker, this driver and Ray's processes on the second; the driver's cores come back
-    at shutdown, and outputs are unchanged."""
+    worker, this driver and Ray's processes (moved there once the workers are up) on the
+    second; the driver's cores come back at shutdown, and outputs are unchanged."""
     prompts, expected = reference
     cores = process_cores()
     config = tiny_cluster_config(tiny_llama_dir, transport="shm", pin_cores=True)
@@ -156,12 +164,16 @@ def test_each_worker_runs_on_its_own_cores_and_the_driver_gets_its_back(tiny_lla
         tokens, _ = await collect(cluster, prompts[7])
         during = {wid: _thread_cores(load.pid) for wid, load in loads.items()}
         reported = {wid: load.cpu_cores for wid, load in loads.items()}
-        return during, reported, _thread_cores(os.getpid()), tokens
+        workers = {load.pid for load in loads.values()}
+        ray_own = [pid for pid in local_head_pids() if pid not in workers]
+        ray_cores = set().union(*(_thread_cores(pid) for pid in ray_own if _alive(pid)))
+        return during, reported, _thread_cores(os.getpid()), ray_cores, len(ray_own), tokens
 
-    during, reported, driver, tokens = run_cluster(config, scenario)
+    during, reported, driver, ray_cores, ray_processes, tokens = run_cluster(config, scenario)
     assert during == {"prefill-0": {cores[:1]}, "decode-0": {cores[1:2]}}
     assert reported == {"prefill-0": cores[:1], "decode-0": cores[1:2]}
     assert driver == {cores[1:2]}
+    assert ray_processes >= 2 and ray_cores == {cores[1:2]}  # GCS and raylet at least
     assert process_cores() == cores
     assert tokens == expected[7]
 
