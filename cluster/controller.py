@@ -39,7 +39,8 @@ from cluster.local_head import local_head_pids, start_local_head
 from cluster.prestarted import PrestartedProcesses
 from cluster.router import WorkerInfo
 from decode_worker.worker import DecodeWorker
-from engine.cpu_affinity import pin_process, process_cores
+from engine.cpu_affinity import BOOT_CORES_ENV, pin_process, process_cores
+from engine.worker_spec import WorkerSpec
 from prefill_worker.worker import PrefillWorker
 
 logger = logging.getLogger(__name__)
@@ -131,9 +132,21 @@ class Controller:
         a worker's slot (a node may advertise exactly one unit per worker)."""
         return self._start_actor(role, name, PRESTARTED_POOL_SHARE, None, self.config.transport)
 
-    def _start_actor(self, role: str, name: str, pool_units: float, *args):
-        """A worker actor of `role` in a new process, constructed with `args`."""
+    def _start_actor(
+        self,
+        role: str,
+        name: str,
+        pool_units: float,
+        spec: WorkerSpec | None,
+        transport: str | None = None,
+    ):
+        """A worker actor of `role` in a new process, built for `spec`, or prestarted
+        (`spec` None) with `transport`'s module imported."""
         threads = str(self.config.worker_threads)
+        # Keep BLAS/OpenMP pools at the configured size: workers share the cores.
+        env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+        if spec is not None and spec.cpu_cores is not None:
+            env[BOOT_CORES_ENV] = ",".join(map(str, spec.cpu_cores))
         options = dict(
             name=name,
             namespace=self.config.namespace,
@@ -141,11 +154,10 @@ class Controller:
             num_cpus=0,
             num_gpus=self.config.gpus_per_worker,
             max_concurrency=1000,
-            # Keep BLAS/OpenMP pools at the configured size: workers share the cores.
-            runtime_env={"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}},
+            runtime_env={"env_vars": env},
         )
         actor = PrefillWorker if role == "prefill" else DecodeWorker
-        return ray.remote(actor).options(**options).remote(*args)
+        return ray.remote(actor).options(**options).remote(spec, transport)
 
     async def _activate(self, worker: WorkerInfo, handle) -> None:
         """Make the prestarted process `handle` `worker`'s next generation, and start its

@@ -27,6 +27,8 @@ local config places."""
 GCS_PORT_WAIT_ENV = "RAY_gcs_server_port_wait_time_s"
 GCS_PORT_WAIT_S = "60"
 """How long a local `ray.init` waits for its GCS to come up, unless the operator set it."""
+BOOT_HOOK = "engine.cpu_affinity.pin_at_boot"
+"""Runs in each worker process before its imports: a worker boots on its own cores."""
 START_ATTEMPTS = 3
 """Local heads started before giving up."""
 STALLED_START_SIGNS = (
@@ -46,6 +48,7 @@ def start_local_head(namespace: str) -> None:
                 namespace=namespace,
                 num_cpus=os.cpu_count(),
                 resources={"prefill_pool": POOL_CAPACITY, "decode_pool": POOL_CAPACITY},
+                runtime_env={"worker_process_setup_hook": BOOT_HOOK},
                 include_dashboard=False,
                 log_to_driver=False,
             )

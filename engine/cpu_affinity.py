@@ -1,15 +1,19 @@
 """Keep a process's threads on a set of cores (Linux; elsewhere a no-op).
 
-A local CPU cluster gives each worker its own cores (`cluster/core_plan.py`): each
-worker pins itself before it builds its engine, so that the OpenMP threads its first
-step creates inherit the worker's cores, and once every worker is up the controller
-moves the driver and Ray's own processes onto the cores left to them.
+A local CPU cluster gives each worker its own cores (`cluster/core_plan.py`). A worker's
+process pins itself as it boots, before its imports (`pin_at_boot`, Ray's setup hook
+on a local head), and again before it builds its engine, so that the OpenMP threads
+its first step creates inherit the worker's cores. Once every worker is up, the
+controller moves the driver and Ray's own processes onto the cores left to them.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+
+BOOT_CORES_ENV = "PDSERVE_BOOT_CORES"
+"""Comma-separated cores a worker process pins itself to as it boots (`pin_at_boot`)."""
 
 
 def pinning_supported() -> bool:
@@ -43,3 +47,16 @@ def pin_process(cores: Iterable[int], pid: int | None = None) -> None:
             os.sched_setaffinity(int(name), wanted)
         except (ProcessLookupError, PermissionError):
             continue
+
+
+def pin_at_boot() -> None:
+    """Ray's `worker_process_setup_hook` on the local head pdserve starts: runs in every
+    worker process of the job before its first task, so before a worker actor's class
+    (torch and the rest) is imported. A process whose actor names its cores in
+    `BOOT_CORES_ENV` boots on them; any other (Ray's idle workers, prestarted
+    processes) stays where the raylet started it. A restarted worker thus boots on the
+    dead one's idle cores, not on the ones left to Ray, which on a small node are a
+    surviving worker's."""
+    cores = os.environ.get(BOOT_CORES_ENV)
+    if cores:
+        pin_process(int(core) for core in cores.split(","))

@@ -11,7 +11,7 @@ import ray
 
 from cluster.cluster import PDCluster
 from cluster.local_head import local_head_pids
-from engine.cpu_affinity import pinning_supported, process_cores
+from engine.cpu_affinity import BOOT_CORES_ENV, pinning_supported, process_cores
 from engine.native.ops import native_kernels
 from tests.cluster_helpers import (
     GREEDY,
@@ -133,6 +133,12 @@ def test_workers_use_the_configured_thread_count_and_report_timings(tiny_llama_d
         assert timings[phase] is not None and timings[phase] >= 0, phase
 
 
+@ray.remote(num_cpus=0)
+def _cores_at_boot() -> tuple[int, ...]:
+    """Where a fresh Ray worker process runs as its first task starts."""
+    return process_cores()
+
+
 def _alive(pid: int) -> bool:
     return os.path.isdir(f"/proc/{pid}/task")
 
@@ -153,7 +159,8 @@ def _thread_cores(pid: int) -> set[tuple[int, ...]]:
 def test_each_worker_runs_on_its_own_cores_and_the_driver_gets_its_back(tiny_llama_dir, reference):
     """1 + 1 workers of one thread: the prefill worker alone on the first core, the decode
     worker, this driver and Ray's processes (moved there once the workers are up) on the
-    second; the driver's cores come back at shutdown, and outputs are unchanged."""
+    second; a process Ray starts later for a worker boots on that worker's cores; the
+    driver's cores come back at shutdown, and outputs are unchanged."""
     prompts, expected = reference
     cores = process_cores()
     config = tiny_cluster_config(tiny_llama_dir, transport="shm", pin_cores=True)
@@ -167,9 +174,15 @@ def test_each_worker_runs_on_its_own_cores_and_the_driver_gets_its_back(tiny_lla
         workers = {load.pid for load in loads.values()}
         ray_own = [pid for pid in local_head_pids() if pid not in workers]
         ray_cores = set().union(*(_thread_cores(pid) for pid in ray_own if _alive(pid)))
-        return during, reported, _thread_cores(os.getpid()), ray_cores, len(ray_own), tokens
+        booted = await _cores_at_boot.options(
+            runtime_env={"env_vars": {BOOT_CORES_ENV: str(cores[0])}}
+        ).remote()
+        return during, reported, _thread_cores(os.getpid()), ray_cores, len(ray_own), booted, tokens
 
-    during, reported, driver, ray_cores, ray_processes, tokens = run_cluster(config, scenario)
+    during, reported, driver, ray_cores, ray_processes, booted, tokens = run_cluster(
+        config, scenario
+    )
+    assert booted == cores[:1]  # Ray's setup hook: before the task's imports
     assert during == {"prefill-0": {cores[:1]}, "decode-0": {cores[1:2]}}
     assert reported == {"prefill-0": cores[:1], "decode-0": cores[1:2]}
     assert driver == {cores[1:2]}
