@@ -81,11 +81,11 @@ class Controller:
             self.started_ray = True
 
     def _confine_the_rest(self) -> None:
-        """Once every planned worker has pinned itself: this process and the local head's
-        other processes onto the cores left to them (cluster/core_plan.py), and so every
-        process the raylet starts later, until a worker pins itself. Not before: Ray's
-        start and the workers' imports, all on one core of two, took 22-25 s to the first
-        answer (demo model, 1 + 1) against 16-18 s on both."""
+        """Once every planned worker is up on its own cores: this process and the local
+        head's other processes onto the cores left to them (cluster/core_plan.py); the
+        processes the raylet starts later inherit them, unless a worker's cores are in
+        their environment. Not before: with Ray's start on one core of two, a 1 + 1 demo
+        cluster answered first after 21.1 s, against 14.1 s on both (docs/benchmarks.md)."""
         if self.core_plan is None:
             return
         workers = {w.load.pid for w in self.workers.values() if w.load is not None}

@@ -12,13 +12,14 @@ shared and its TPOT rose from ~28.5 to ~32 ms. Pinning the workers alone, the re
 left on every core, lost at 16 streams and at one (docs/benchmarks.md).
 
 The controller makes the plan when it starts Ray itself (`Controller.init_ray`) and
-puts each worker's cores in its `WorkerSpec` and its process's environment; the worker's
-process pins itself as it boots, before its imports (`engine.cpu_affinity.pin_at_boot`),
-and again before it builds its engine. Ray starts on every core; once every worker is
-up, the controller moves its own process and Ray's onto `others`. So a restarted worker
-boots on the dead one's cores, not on a survivor's. No plan where it cannot hold: GPU pools, a Ray cluster joined
-by address, colocated workers (one worker has every core), warm spares (a spare that
-takes over would need the dead worker's cores), or more worker threads than cores.
+puts each worker's cores in its `WorkerSpec` and its process's environment; the
+worker's process pins itself as it boots, before its imports
+(`engine.cpu_affinity.pin_at_boot`), and again before it builds its engine. Ray starts
+on every core; once every worker is up, the controller moves its own process and Ray's
+onto `others`. So a restarted worker boots on the dead one's cores, not on a
+survivor's. No plan where it cannot hold: GPU pools, a Ray cluster joined by address,
+colocated workers (one worker has every core), warm spares (a spare that takes over
+would need the dead worker's cores), or more worker threads than cores.
 """
 
 from __future__ import annotations
