@@ -139,15 +139,15 @@ def _cores_at_boot() -> tuple[int, ...]:
     return process_cores()
 
 
-def _alive(pid: int) -> bool:
-    return os.path.isdir(f"/proc/{pid}/task")
-
-
 def _thread_cores(pid: int) -> set[tuple[int, ...]]:
     """The distinct core sets of process `pid`'s threads (a thread that ends meanwhile
-    is skipped)."""
+    is skipped; a process that has ended has none)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return set()
     found = set()
-    for tid in os.listdir(f"/proc/{pid}/task"):
+    for tid in tids:
         with contextlib.suppress(ProcessLookupError):
             found.add(tuple(sorted(os.sched_getaffinity(int(tid)))))
     return found
@@ -173,7 +173,7 @@ def test_each_worker_runs_on_its_own_cores_and_the_driver_gets_its_back(tiny_lla
         reported = {wid: load.cpu_cores for wid, load in loads.items()}
         workers = {load.pid for load in loads.values()}
         ray_own = [pid for pid in local_head_pids() if pid not in workers]
-        ray_cores = set().union(*(_thread_cores(pid) for pid in ray_own if _alive(pid)))
+        ray_cores = set().union(*(_thread_cores(pid) for pid in ray_own))
         booted = await _cores_at_boot.options(
             runtime_env={"env_vars": {BOOT_CORES_ENV: str(cores[0])}}
         ).remote()
