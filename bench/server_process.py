@@ -1,5 +1,9 @@
 """Runs `pdserve serve` as a real subprocess on a free loopback port.
 
+The server binds the port itself (`--port 0`) and this reads it from its announcement:
+a port picked here and handed over could be taken, in the seconds before the server
+binds it, by any connection that Ray or the workers open.
+
 Used by the experiments that need a fresh server per configuration (bandwidth sweep)
 and by the tests that drive a live server.
 """
@@ -7,17 +11,23 @@ and by the tests that drive a live server.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import psutil
 import requests
 
+ANNOUNCEMENT = re.compile(r"pdserve listening on http://[^\s:]+:(\d+)")
+
 
 def free_port() -> int:
+    """A port free now, for a server that cannot bind port 0 and tell (Prometheus,
+    vLLM); it may be taken before that server binds it."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -31,12 +41,12 @@ class ServerProcess:
         startup_timeout_s: float = 300.0,
         port: int | None = None,
     ):
-        """`port`: where the server listens (default: a free one)."""
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        """`port`: where the server listens (default: one the server picks and announces)."""
+        self.port = port or 0
+        self.url = ""
         command = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(self.port), *args]
-        self.output_path = f"/tmp/pdserve-serve-{self.port}.log"
-        self.log = open(self.output_path, "w")  # noqa: SIM115 - closed in stop()
+        handle, self.output_path = tempfile.mkstemp(prefix="pdserve-serve-", suffix=".log")
+        self.log = os.fdopen(handle, "w")
         self.proc = subprocess.Popen(
             command, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
         )
@@ -47,6 +57,9 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}: {self.output()}")
+            if not self.url and not self._read_announcement():
+                time.sleep(0.5)
+                continue
             try:
                 if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return
@@ -56,9 +69,17 @@ class ServerProcess:
         self.stop()
         raise TimeoutError(f"server not healthy after {timeout_s}s: {self.output()}")
 
-    def output(self) -> str:
+    def _read_announcement(self) -> bool:
+        found = ANNOUNCEMENT.search(self.output(tail=None))
+        if found:
+            self.port = int(found.group(1))
+            self.url = f"http://127.0.0.1:{self.port}"
+        return bool(found)
+
+    def output(self, tail: int | None = 4000) -> str:
         with open(self.output_path) as handle:
-            return handle.read()[-4000:]
+            text = handle.read()
+        return text if tail is None else text[-tail:]
 
     def descendants(self) -> list[psutil.Process]:
         try:

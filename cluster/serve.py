@@ -1,5 +1,10 @@
 """`pdserve serve`: start (or join) Ray, start the worker pools, serve HTTP.
 
+The HTTP port is bound first, before Ray and the workers start: a busy port fails in
+a second rather than after the workers' start-up, and nothing that Ray or the workers
+open meanwhile (their connections take ephemeral ports) can take it. `--port 0` binds
+a free port and announces it.
+
 Shutdown on Ctrl-C / SIGTERM: uvicorn stops accepting and finishes, then the
 workers are shut down and killed, and Ray is stopped if we started it.
 """
@@ -11,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 
 from cluster.config import ClusterConfig
 from cluster.config_flags import add_config_flags, config_overrides
@@ -33,7 +39,12 @@ def add_serve_parser(sub) -> None:
     )
     parser.add_argument("--config", help="YAML file with ClusterConfig keys")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
-    parser.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=8000,
+        help="HTTP port; 0 binds a free one and prints it (default: 8000)",
+    )
     parser.add_argument(
         "--api-key", default=None, help="require this bearer key (or PDSERVE_API_KEY)"
     )
@@ -83,32 +94,54 @@ def run_serve(args: argparse.Namespace) -> int:
             "the model; pass --api-key (or set PDSERVE_API_KEY)",
             args.host,
         )
-    asyncio.run(_serve(config, settings, args.host, args.port))
+    listener = bind_listener(args.host, args.port)
+    with listener:
+        asyncio.run(_serve(config, settings, args.host, listener))
     return 0
 
 
-async def _serve(config: ClusterConfig, settings, host: str, port: int) -> None:
+def bind_listener(host: str, port: int) -> socket.socket:
+    """Binds (without listening: a client meanwhile is refused, not left hanging) the
+    socket the HTTP server will serve on; `run_serve` calls it before the cluster starts.
+    Raises SystemExit with the address and the reason when the port cannot be had."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    # A server restarted on its port must not wait out the last one's TIME_WAIT sockets.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as error:
+        sock.close()
+        raise SystemExit(
+            f"pdserve serve: cannot listen on {host}:{port}: {error.strerror} "
+            "(another server there? pick another --port, or --port 0 for a free one)"
+        ) from error
+    return sock
+
+
+async def _serve(config: ClusterConfig, settings, host: str, listener: socket.socket) -> None:
     from cluster.cluster import PDCluster
     from cluster.frontend import build_app
 
+    port = listener.getsockname()[1]
     cluster = PDCluster(config)
     logger.info("starting %s cluster (%s): %s", config.mode, cluster.model_id, _pools(config))
     await cluster.start()
     try:
         app = build_app(cluster, settings)
-        server = _quiet_signals_server(app, host, port)
+        server = _quiet_signals_server(app)
         name = app.state.handler.model_name
         app.router.on_startup.append(lambda: _announce(host, port, name))
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, server.request_exit)
-        await server.serve()
+        await server.serve(sockets=[listener])
     finally:
         logger.info("shutting down workers")
         await cluster.shutdown()
 
 
-def _quiet_signals_server(app, host: str, port: int):
+def _quiet_signals_server(app):
     """uvicorn re-raises SIGINT/SIGTERM after serving, which would kill this process
     before the workers and Ray are shut down; this server's signals only stop serving."""
     import uvicorn
@@ -123,7 +156,7 @@ def _quiet_signals_server(app, host: str, port: int):
                 self.force_exit = True
             self.should_exit = True
 
-    return Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    return Server(uvicorn.Config(app, log_level="warning"))
 
 
 def _pools(config: ClusterConfig) -> str:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -335,6 +337,19 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(server, client, mo
         assert "512" in error["message"]
     good = client.completions.create(model=model_id, prompt="still alive", max_tokens=2)
     assert good.usage.completion_tokens == 2
+
+
+def test_a_busy_port_fails_before_ray_starts_and_says_so(server, tiny_llama_dir, model_id):
+    """The fixture's server bound port 0 and announced the port it got; a second server
+    asked for that port stops at once with the address and the reason, and the first
+    keeps serving."""
+    command = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(server.port)]
+    command += ["--model", str(tiny_llama_dir), "--dtype", "float32"]
+    second = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert second.returncode != 0
+    assert f"cannot listen on 127.0.0.1:{server.port}: Address already in use" in second.stderr
+    assert "Ray" not in second.stdout + second.stderr
+    assert requests.get(f"{server.url}/health", timeout=10).status_code == 200
 
 
 def test_missing_api_key_is_401(server, model_id):
