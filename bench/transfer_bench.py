@@ -148,16 +148,25 @@ def _socket_sender_main(port: int, size: int, repeats: int) -> None:
             sock.sendall(memoryview(data))
 
 
-def _gloo_pair(rank: int, port: int):
-    """The collective transport's own two-rank gloo group, without the transport."""
+def _gloo_store(port: int = 0):
+    """The pair's rendezvous: port 0 makes the master, which binds a free port itself
+    (`.port`); any other port joins that master."""
     from datetime import timedelta
 
-    import torch
     import torch.distributed as dist
+
+    master = port == 0
+    return dist.TCPStore(
+        "127.0.0.1", port, 2, master, timedelta(seconds=60), wait_for_workers=False
+    )
+
+
+def _gloo_pair(rank: int, store):
+    """The collective transport's own two-rank gloo group, without the transport."""
+    import torch
 
     from kv_transfer.transports.collective import make_pair_group
 
-    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timedelta(seconds=60))
     return make_pair_group(store, "bench", rank, "127.0.0.1", torch.device("cpu"), 60)
 
 
@@ -167,7 +176,7 @@ def _gloo_sender_main(conn, port: int, max_size: int, piece: int) -> None:
     receiver's go; then read the ack. None stops it."""
     import torch
 
-    group = _gloo_pair(0, port)
+    group = _gloo_pair(0, _gloo_store(port))
     data = torch.randint(0, 255, (max_size,), dtype=torch.uint8)
     while (size := conn.recv()) is not None:
         conn.send(size)
@@ -275,15 +284,15 @@ class BareGloo:
     def __init__(self, max_size: int, piece: int):
         import torch
 
-        from bench.server_process import free_port
-
-        port = free_port()
+        store = _gloo_store()
         ctx = mp.get_context("spawn")
         self.parent, child_conn = ctx.Pipe()
-        self.child = ctx.Process(target=_gloo_sender_main, args=(child_conn, port, max_size, piece))
+        self.child = ctx.Process(
+            target=_gloo_sender_main, args=(child_conn, store.port, max_size, piece)
+        )
         self.child.start()
         self.piece = piece
-        self.group = _gloo_pair(1, port)
+        self.group = _gloo_pair(1, store)
         self.buf = torch.empty(max_size, dtype=torch.uint8)
         self.go = torch.zeros(1)
 
