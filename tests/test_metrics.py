@@ -21,7 +21,7 @@ import requests
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.server_process import ServerProcess, free_port
+from bench.server_process import ServerProcess
 from cluster.metrics import ClusterMetrics
 from cluster.timeline import RequestTimeline
 from engine.block_manager import blocks_needed
@@ -353,20 +353,20 @@ def test_real_prometheus_scrapes_the_server(server, scenario, tmp_path):
     config["global"].update(scrape_interval="1s", evaluation_interval="1s")
     config["scrape_configs"][0]["static_configs"] = [{"targets": [f"127.0.0.1:{server.port}"]}]
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = free_port()
-    log = open(tmp_path / "prometheus.log", "w")  # noqa: SIM115 - closed below
+    log_path = tmp_path / "prometheus.log"
+    log = open(log_path, "w")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
         [
             binary,
             f"--config.file={tmp_path / 'prometheus.yml'}",
             f"--storage.tsdb.path={tmp_path / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
+            "--web.listen-address=127.0.0.1:0",  # it binds a free port and logs it
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
     )
-    api = f"http://127.0.0.1:{port}/api/v1/query"
     try:
+        api = f"http://{prometheus_address(log_path, proc)}/api/v1/query"
         count = wait_for_query(api, "sum(pdserve_time_to_first_token_seconds_count)", proc)
         assert float(count[0]["value"][1]) == 4
         moved = wait_for_query(api, "sum(pdserve_kv_transfer_bytes_total)", proc)
@@ -379,6 +379,18 @@ def test_real_prometheus_scrapes_the_server(server, scenario, tmp_path):
         proc.terminate()
         proc.wait(timeout=15)
         log.close()
+
+
+def prometheus_address(log_path: Path, proc, timeout_s: float = 20.0) -> str:
+    """The address Prometheus logged once it listened ("Listening on" address=...)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"prometheus exited: {log_path.read_text()[-2000:]}"
+        found = re.search(r'msg="Listening on" address=(\S+)', log_path.read_text())
+        if found:
+            return found.group(1)
+        time.sleep(0.2)
+    raise AssertionError(f"prometheus never listened: {log_path.read_text()[-2000:]}")
 
 
 def query(api: str, expr: str) -> list:
