@@ -166,7 +166,7 @@ def _pools(config: ClusterConfig) -> str:
 
 
 def _announce(host: str, port: int, model_id: str) -> None:
-    url = f"http://{host}:{port}"
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     print(f"pdserve listening on {url}  (metrics {url}/metrics, health {url}/health)", flush=True)
     print(
         f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
