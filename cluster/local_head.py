@@ -73,11 +73,22 @@ def local_head_pids() -> list[int]:
     node = getattr(ray._private.worker, "_global_node", None)
     if node is None or not ray.is_initialized():
         return []
-    pids = []
-    for infos in node.all_processes.values():
-        for info in infos:
-            pids += [info.process.pid, *(child.pid for child in _children(info.process.pid))]
-    return pids
+    roots = [info.process.pid for infos in node.all_processes.values() for info in infos]
+    return _with_descendants(roots)
+
+
+def _with_descendants(roots: list[int]) -> list[int]:
+    """`roots` and every process below them, from one pass over the process table (the
+    metrics scrape calls this; a `children()` call per root would walk it per root)."""
+    children: dict[int, list[int]] = {}
+    for proc in psutil.process_iter(["ppid"]):
+        children.setdefault(proc.info["ppid"], []).append(proc.pid)
+    found, pending = [], list(roots)
+    while pending:
+        pid = pending.pop()
+        found.append(pid)
+        pending += children.get(pid, [])
+    return found
 
 
 def _is_stalled_start(exc: Exception) -> bool:

@@ -4,8 +4,11 @@ A request's path through here: the frontend counts its outcome (`observe_outcome
 when it is rejected or its stream ends; when the cluster is done with it, however it
 ended, its `RequestTimeline` arrives (`observe_timeline`) and becomes latency, phase,
 token and KV transfer samples. Worker state (queues, KV pool, leases, batch sizes,
-liveness, GPU) is read at scrape time from the controller's last health reports by
-`cluster.metrics_workers`. Workers themselves only collect plain stats.
+liveness, GPU, CPU) is read at scrape time from the controller's last health reports by
+`cluster.metrics_workers`. Workers themselves only collect plain stats. CPU seconds
+come in three parts, so that a run's delta says who used the cores: this process
+(`process_cpu_seconds_total`: the HTTP frontend and the Ray driver), each worker
+(`pdserve_worker_cpu_seconds_total`) and Ray's own processes (`pdserve_ray_cpu_seconds_total`).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Histogram,
+    ProcessCollector,
     disable_created_metrics,
     generate_latest,
 )
@@ -113,6 +117,7 @@ class ClusterMetrics:
         for outcome in OUTCOMES:
             for endpoint in ENDPOINTS:
                 self.requests.labels(outcome, endpoint)
+        ProcessCollector(registry=r)  # process_cpu_seconds_total etc.: this frontend's own
         if controller is not None:
             r.register(WorkerCollector(controller))
 

@@ -50,6 +50,7 @@ def health_report(
         startup=dict(startup or {}),
         prefix_cache=engine.cache_report(),
         step_costs=fit_step_costs(engine.step_trace),
+        cpu_s=time.process_time(),
     )
 
 

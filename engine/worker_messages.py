@@ -167,3 +167,5 @@ class HealthReport:
     step_costs: Any | None = None
     """`engine.step_costs.StepCosts`: this engine's measured step time per prefill
     token and per decode sequence (None until it has run such steps)."""
+    cpu_s: float = 0.0
+    """CPU seconds (user + system, every thread) the worker process has used so far."""

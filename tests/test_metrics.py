@@ -130,8 +130,9 @@ def test_gpu_series_absent_without_nvml_and_present_with_a_report():
     assert "pdserve_gpu_memory_used_bytes{" not in text
     assert "# TYPE pdserve_gpu_memory_used_bytes gauge" in text
     gpu = {"utilization_ratio": 0.5, "memory_used_bytes": 3, "memory_total_bytes": 9}
-    worker.load = dataclasses.replace(worker.load, gpu=gpu)
+    worker.load = dataclasses.replace(worker.load, gpu=gpu, cpu_s=2.5)
     text = metrics.render().decode()
+    assert value(text, "pdserve_worker_cpu_seconds_total", worker="decode-0") == 2.5
     assert value(text, "pdserve_gpu_memory_total_bytes", worker="decode-0") == 9
     assert value(text, "pdserve_worker_restarts_total", worker="decode-0") == 2
     assert value(text, "pdserve_workers_prestarted", role="decode") == 1
@@ -320,6 +321,11 @@ def test_counters_and_histograms_match_the_requests(scenario):
     decoded = sum(c - 1 for _, c in expected.finished) + expected.cancelled_seen - 1
     assert value(text, "pdserve_decode_batch_size_sum", worker="decode-0") >= decoded
     assert value(text, "pdserve_gpu_utilization_ratio") == 0  # CPU workers: no GPU series
+    # Who used the cores: this process, each worker, Ray's own processes (its head here).
+    assert value(text, "process_cpu_seconds_total") > 0
+    for worker in ("prefill-0", "decode-0"):
+        assert value(text, "pdserve_worker_cpu_seconds_total", worker=worker) > 0
+    assert value(text, "pdserve_ray_cpu_seconds_total") > 0
 
 
 def test_promtool_accepts_the_exposition(server, scenario):
