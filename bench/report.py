@@ -25,6 +25,7 @@ from dataclasses import asdict
 
 from bench.hardware import cpu_model
 from bench.loadgen import RequestRecord
+from bench.server_metrics import CPU_FIGURES, worker_cpu_s
 from bench.stats import spread
 from bench.summary import METRIC_DEFINITIONS, NAMING_NOTE
 
@@ -261,7 +262,25 @@ def _extra_lines(point: dict) -> list[str]:
             f"client CPU {s['client_cpu_s']:.2f} s over {s['duration_s']:.1f} s "
             f"({s['client_cpu_share']:.1%} of one core)"
         )
-    return lines
+    cpu = server_cpu_line(point["runs"][0])
+    return [*lines, cpu] if cpu else lines
+
+
+def server_cpu_line(run: dict) -> str | None:
+    """A run's server CPU, as shares of one core, from its /metrics delta: who took the
+    cores besides the engines (None when the server exports no such series)."""
+    metrics = run.get("server_metrics") or {}
+    figures, duration = metrics.get("digest") or {}, run["summary"].get("duration_s")
+    if not duration or not any(name in figures for name in CPU_FIGURES):
+        return None
+    parts = []
+    for name in CPU_FIGURES:
+        if name in figures:
+            parts.append(f"{name.removesuffix(' CPU (s)')} {figures[name] / duration:.1%}")
+    workers = worker_cpu_s(metrics.get("delta"))
+    if len(workers) > 1:
+        parts.append(", ".join(f"{w} {s / duration:.1%}" for w, s in sorted(workers.items())))
+    return f"server CPU over the run (share of one core): {'; '.join(parts)}"
 
 
 def format_definitions() -> str:

@@ -10,6 +10,8 @@ pdserve's metric names and for vLLM's. A server without `/metrics` gives None.
 
 from __future__ import annotations
 
+import re
+
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -44,7 +46,13 @@ _COUNTERS = {
         "vllm:num_preemptions_total",
     ],
     "prefix cache hits (tokens)": ["vllm:prefix_cache_hits_total"],
+    # Who used the cores: the serving process (pdserve's frontend and Ray driver, or
+    # vLLM's API server), the workers, Ray's own processes.
+    "frontend CPU (s)": ["process_cpu_seconds_total"],
+    "workers CPU (s)": ["pdserve_worker_cpu_seconds_total"],
+    "Ray CPU (s)": ["pdserve_ray_cpu_seconds_total"],
 }
+CPU_FIGURES = ("frontend CPU (s)", "workers CPU (s)", "Ray CPU (s)")
 
 
 async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float] | None:
@@ -98,6 +106,17 @@ def _series_total(metrics: dict, selector: str, suffix: str = "") -> float | Non
         if base == name + suffix and all(label in labels for label in wanted_labels):
             total, found = total + value, True
     return total if found else None
+
+
+def worker_cpu_s(metrics_delta: dict | None) -> dict[str, float]:
+    """Worker id -> CPU seconds it used over the run (workers that lived through it)."""
+    figures = {}
+    for key, value in (metrics_delta or {}).items():
+        base, _, labels = key.partition("{")
+        found = re.search(r'worker="([^"]*)"', labels)
+        if base == "pdserve_worker_cpu_seconds_total" and found and value >= 0:
+            figures[found.group(1)] = value
+    return figures
 
 
 def digest(metrics_delta: dict | None) -> dict[str, float]:

@@ -18,8 +18,9 @@ from bench.compare import format_comparison
 from bench.lengths import LengthSpec
 from bench.loadgen import RequestRecord
 from bench.prompt_text import PromptMaker
-from bench.report import point_entry, write_json
+from bench.report import point_entry, server_cpu_line, write_json
 from bench.runner import RunSpec, run_once
+from bench.server_metrics import digest
 from bench.stats import percentile, spread
 from bench.summary import Slo, summarize
 from bench.sweep import pareto_front, plot_sweep
@@ -343,6 +344,25 @@ def test_compare_shows_ratios_and_what_moved_in_the_server(tmp_path):
 
     assert "output tok/s" in text and "1.50x" in text and "0.50x" in text
     assert "decode batch size" in text and "server (/metrics delta)" in text
+
+
+def test_the_report_says_who_used_the_servers_cores():
+    """The /metrics delta's CPU counters, as shares of one core over the run, with each
+    worker's own share where there are several."""
+    delta = {
+        "process_cpu_seconds_total": 1.0,
+        'pdserve_worker_cpu_seconds_total{role="prefill",worker="prefill-0"}': 30.0,
+        'pdserve_worker_cpu_seconds_total{role="decode",worker="decode-0"}': 20.0,
+        "pdserve_ray_cpu_seconds_total": 2.0,
+    }
+    run = {"summary": {"duration_s": 50.0}, "server_metrics": {"delta": delta}}
+    run["server_metrics"]["digest"] = digest(delta)
+    assert server_cpu_line(run) == (
+        "server CPU over the run (share of one core): frontend 2.0%; workers 100.0%; "
+        "Ray 4.0%; decode-0 40.0%, prefill-0 60.0%"
+    )
+    run["server_metrics"] = None  # a server without /metrics
+    assert server_cpu_line(run) is None
 
 
 def test_duration_mode_starts_nothing_after_the_deadline(fake_server, maker):
