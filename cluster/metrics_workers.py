@@ -3,8 +3,8 @@
 On every `GET /metrics`, `ClusterMetrics.render` runs `WorkerCollector.collect`, which
 reads `controller.workers` (each `WorkerInfo.load` is the worker's last `check_health`
 answer, refreshed every `health_interval_s`) and yields fresh families: nothing about
-a worker is stored here, so a worker that is gone simply stops having series. Families are always
-declared, even empty, so dashboards and tests can rely on every name existing.
+a worker is stored here, so a worker that is gone simply stops having series. Families
+are always declared, even empty, so dashboards and tests can rely on every name existing.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ class WorkerCollector:
 
     def __init__(self, controller):
         self.controller = controller
-        self._ray_pids: set[int] = set()
-        self._ray_pids_listed = -float("inf")
+        self._head_pids: set[int] = set()
+        self._head_pids_listed = -float("inf")
 
     def collect(self):
         families = _Families()
@@ -63,15 +63,15 @@ class WorkerCollector:
 
     def _ray_processes(self) -> set[int]:
         """The local head's processes, less the serving workers (those have their own
-        series); listed again every `RAY_PIDS_TTL_S`, so a process Ray starts is counted
-        from its next listing on."""
+        series). The head is listed again every `RAY_PIDS_TTL_S`, so a process Ray
+        starts is counted from its next listing on; the workers are left out at every
+        scrape, so a prestarted process that a restart takes is never counted twice."""
         now = time.monotonic()
-        if now - self._ray_pids_listed > self.RAY_PIDS_TTL_S:
-            workers = self.controller.workers.values()
-            serving = {w.load.pid for w in workers if w.load is not None}
-            self._ray_pids = set(local_head_pids()) - serving
-            self._ray_pids_listed = now
-        return self._ray_pids
+        if now - self._head_pids_listed > self.RAY_PIDS_TTL_S:
+            self._head_pids = set(local_head_pids())
+            self._head_pids_listed = now
+        workers = self.controller.workers.values()
+        return self._head_pids - {w.load.pid for w in workers if w.load is not None}
 
 
 class _Families:
