@@ -80,6 +80,11 @@ class Controller:
             start_local_head(self.config.namespace)
             self.started_ray = True
 
+    def worker_pids(self) -> set[int]:
+        """The processes of the workers that have reported health: what the core plan
+        and the CPU metrics tell apart from Ray's own processes."""
+        return {w.load.pid for w in self.workers.values() if w.load is not None}
+
     def _confine_the_rest(self) -> None:
         """Once every planned worker is up on its own cores: this process and the local
         head's other processes onto the cores left to them (cluster/core_plan.py); the
@@ -88,7 +93,7 @@ class Controller:
         cluster answered first after 21.1 s, against 14.1 s on both (docs/benchmarks.md)."""
         if self.core_plan is None:
             return
-        workers = {w.load.pid for w in self.workers.values() if w.load is not None}
+        workers = self.worker_pids()
         pin_process(self.core_plan.others)
         for pid in local_head_pids():
             if pid not in workers:

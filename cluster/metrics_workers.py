@@ -70,8 +70,7 @@ class WorkerCollector:
         if now - self._head_pids_listed > self.RAY_PIDS_TTL_S:
             self._head_pids = set(local_head_pids())
             self._head_pids_listed = now
-        workers = self.controller.workers.values()
-        return self._head_pids - {w.load.pid for w in workers if w.load is not None}
+        return self._head_pids - self.controller.worker_pids()
 
 
 class _Families:

@@ -113,6 +113,7 @@ def test_gpu_series_absent_without_nvml_and_present_with_a_report():
         workers={"decode-0": worker},
         config=SimpleNamespace(transport="auto"),
         prestarted=SimpleNamespace(counts=lambda: {"decode": 1}),
+        worker_pids=lambda: {1},
     )
     metrics = ClusterMetrics(controller)
     worker.load = HealthReport(
