@@ -9,11 +9,12 @@ TORCH_VERSION := 2.13.0
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test lint format generate bench clean help tools peers peers-vllm
+.PHONY: setup serve test test-gpu lint format generate bench clean help tools peers peers-vllm
 
 help:
 	@echo "make serve   - set up, then serve the demo model on http://127.0.0.1:8000"
 	@echo "make test    - set up, then run ruff and the test suite"
+	@echo "make test-gpu - the CUDA paths alone (tests/test_gpu.py; skipped where no GPU is seen)"
 	@echo "make bench   - engine benchmark (writes nothing; see docs/benchmarks.md)"
 	@echo "make format  - apply ruff formatting and import sorting"
 	@echo "make tools   - unpack promtool + prometheus (Debian package) into .tools/ for the metrics tests"
@@ -57,6 +58,11 @@ format: setup
 
 test: lint tools
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The CUDA paths (also part of `make test`, where they skip without a GPU). A GPU
+# machine with no network runs the module on its own torch: docs/operations.md.
+test-gpu: setup
+	$(BIN)/python -m pytest -m gpu -rs tests/test_gpu.py $(PYTEST_ARGS)
 
 # promtool and prometheus for tests/test_metrics.py, from Debian's `prometheus` package,
 # unpacked (never installed: no service starts) into .tools/prometheus/usr/bin.

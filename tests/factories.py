@@ -109,21 +109,22 @@ def make_tiny_model(directory: Path, family: str = "llama", seed: int = 0) -> Pa
     return directory
 
 
-def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int):
-    """Reference: transformers forward, greedy, KV cache, no stopping. Returns (tokens, logits)."""
-    model = _hf_model(str(model_dir))
+def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int, device: str = "cpu"):
+    """Reference: transformers forward, greedy, KV cache, no stopping. Returns (tokens, logits),
+    the logits on `device`."""
+    model = _hf_model(str(model_dir), device)
     tokens, step_logits = [], []
     with torch.no_grad():
-        out = model(torch.tensor([prompt]), use_cache=True)
+        out = model(torch.tensor([prompt], device=device), use_cache=True)
         for _ in range(max_new_tokens):
             logits = out.logits[0, -1].float()
             step_logits.append(logits)
             token = int(logits.argmax())
             tokens.append(token)
-            out = model(torch.tensor([[token]]), cache=out.cache, use_cache=True)
+            out = model(torch.tensor([[token]], device=device), cache=out.cache, use_cache=True)
     return tokens, torch.stack(step_logits)
 
 
 @cache
-def _hf_model(model_dir: str):
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def _hf_model(model_dir: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()

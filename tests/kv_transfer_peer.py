@@ -34,14 +34,14 @@ def random_pool(layout: KVLayout = LAYOUT, num_blocks: int = POOL_BLOCKS, seed: 
 class PeerState:
     """What lives in the child: pool + allocator (or a whole engine) + senders."""
 
-    def __init__(self, model_dir: str | None = None):
+    def __init__(self, model_dir: str | None = None, device: str = "cpu"):
         self.engine = None
         if model_dir is None:
             self.pool, self.allocator = random_pool(), BlockAllocator(POOL_BLOCKS)
         else:
             from tests.conftest import make_engine
 
-            self.engine = make_engine(model_dir)
+            self.engine = make_engine(model_dir, device=device)
             self.pool, self.allocator = self.engine.kv_pool, self.engine.allocator
         self.senders = {}
 
@@ -68,7 +68,7 @@ class PeerState:
 
         def export(seq):
             ticket = self.senders[key].export(request_id, seq.block_ids, len(prompt), "decode")
-            blocks = self.pool.read_blocks(seq.block_ids).numpy().tobytes()
+            blocks = self.pool.read_blocks(seq.block_ids).cpu().numpy().tobytes()
             return ticket.to_dict(), blocks, list(seq.output_token_ids)
 
         ticket, blocks, first = self.engine.export_prefilled(request_id, export)
@@ -104,8 +104,8 @@ class PeerState:
         self.senders.pop(key).close()
 
 
-def serve(conn, model_dir: str | None) -> None:
-    state = PeerState(model_dir)
+def serve(conn, model_dir: str | None, device: str = "cpu") -> None:
+    state = PeerState(model_dir, device)
     conn.send(("ok", None))
     while True:
         method, args = conn.recv()
@@ -135,10 +135,12 @@ class PeerDied(RuntimeError):
 class Peer:
     """Handle on one child process; `peer.call("method", *args)` runs it there."""
 
-    def __init__(self, model_dir: str | None = None, start_timeout_s: float = 60.0):
+    def __init__(
+        self, model_dir: str | None = None, start_timeout_s: float = 60.0, device: str = "cpu"
+    ):
         ctx = _context()
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=serve, args=(child, model_dir), daemon=True)
+        self.process = ctx.Process(target=serve, args=(child, model_dir, device), daemon=True)
         self.process.start()
         child.close()
         self._answer(start_timeout_s)

@@ -1,0 +1,221 @@
+"""The CUDA paths, checked on a GPU: skipped (not faked) on machines without one.
+
+What a CPU run cannot reach: the engine's forward on CUDA tensors against transformers
+on the same GPU, decode steps replayed from captured CUDA graphs, bf16 on the GPU's own
+matmuls, KV blocks leaving and entering CUDA pools (in one process, and between two
+over gRPC; NCCL pairs need two GPUs), and NVML's reading of the device. `make
+test-gpu` runs this module; docs/operations.md says how to run it on a GPU machine
+that has no network (its own torch, no virtualenv).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.sampling_params import SamplingParams
+from kv_transfer import ExportTicket, TransportOptions, make_receiver, make_sender
+from tests.conftest import assert_no_leaks, make_engine
+from tests.factories import _hf_model, hf_greedy
+from tests.test_engine_correctness import our_greedy_with_logits, prompt_of
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here"),
+]
+
+DEVICE = "cuda"
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+OPTIONS = TransportOptions(chunk_bytes=16 << 10, token="cluster-secret", timeout_s=30)
+
+
+@pytest.fixture(autouse=True)
+def full_float32_matmuls():
+    """TF32 would round every float32 matmul's inputs to 10 bits of mantissa: the parity
+    below is against float32, on this GPU, with the same setting for both sides."""
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def gpu_engine(model_dir, **overrides):
+    return make_engine(model_dir, device=DEVICE, **overrides)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_cuda_greedy_equals_transformers_on_the_same_gpu(tiny_model_dirs, family):
+    model_dir = tiny_model_dirs[family]
+    engine = gpu_engine(model_dir, cuda_graphs=False)
+    assert engine.kv_pool.kv.device.type == torch.device(DEVICE).type
+    prompts = [prompt_of(n, salt=11) for n in (5, 13, 30)]
+
+    outputs = engine.generate(prompts, GREEDY)
+
+    for prompt, seq in zip(prompts, outputs, strict=True):
+        assert seq.output_token_ids == hf_greedy(model_dir, prompt, 24, device=DEVICE)[0]
+    assert_no_leaks(engine)
+
+
+def test_cuda_logits_match_transformers_step_by_step(tiny_llama_dir):
+    engine = gpu_engine(tiny_llama_dir, cuda_graphs=False)
+    prompt = prompt_of(13)
+    ref_tokens, ref_logits = hf_greedy(tiny_llama_dir, prompt, 16, device=DEVICE)
+
+    ours = our_greedy_with_logits(engine, prompt, 16)
+
+    torch.testing.assert_close(ours.to(ref_logits.device), ref_logits, atol=2e-4, rtol=1e-4)
+    assert [int(row.argmax()) for row in ours] == ref_tokens
+    assert_no_leaks(engine)
+
+
+def test_decode_steps_replayed_from_cuda_graphs_equal_eager_ones(tiny_llama_dir):
+    """Batches of 1, 3 and 6 (buckets 1, 4 and 8, the last two padded) and tables that
+    grow past a width bucket: the graphs' tokens are the eager engine's."""
+    eager = gpu_engine(tiny_llama_dir, cuda_graphs=False)
+    graphed = gpu_engine(tiny_llama_dir, cuda_graphs=True)
+    assert eager.runner.graphs is None and graphed.runner.graphs is not None
+    for batch in (1, 3, 6):
+        prompts = [prompt_of(9 + 7 * i, salt=batch) for i in range(batch)]
+        expected = [s.output_token_ids for s in eager.generate(prompts, GREEDY)]
+        actual = [s.output_token_ids for s in graphed.generate(prompts, GREEDY)]
+        assert actual == expected, batch
+    captured = graphed.runner.graphs.steps
+    assert {batch for batch, _ in captured} >= {1, 4, 8}
+    assert all(step.graph is not None for step in captured.values())
+    assert_no_leaks(graphed)
+
+
+def test_bf16_on_the_gpu_strays_no_further_than_transformers_bf16(tiny_llama_dir):
+    engine = gpu_engine(tiny_llama_dir, dtype="bfloat16", cuda_graphs=False)
+    hf_bf16 = _hf_model(str(tiny_llama_dir), DEVICE, torch.bfloat16)
+    for length in (5, 13, 30):
+        prompt = prompt_of(length, salt=3)
+        reference = hf_greedy(tiny_llama_dir, prompt, 1, device=DEVICE)[1][0]
+        ours = our_greedy_with_logits(engine, prompt, 1)[0].to(reference.device)
+        with torch.no_grad():
+            theirs = hf_bf16(torch.tensor([prompt], device=DEVICE)).logits[0, -1].float()
+
+        def error(logits, reference=reference):
+            return float((logits - reference).norm() / reference.norm())
+
+        # Other kernels round elsewhere; a path gone wrong (fp16 overflow, a bf16
+        # residual) strays ten times as far.
+        assert error(ours) <= 1.25 * error(theirs), length
+    assert_no_leaks(engine)
+
+
+def test_every_cuda_attention_backend_agrees_with_torch_on_whole_requests(tiny_llama_dir):
+    """`auto` on CUDA picks flash-attn where it is importable (fp16/bf16); its greedy
+    tokens must be the torch backend's. Where flash-attn is missing, `auto` is torch."""
+    from engine.flash_attention import flash_available
+
+    dtype = "bfloat16"
+    torch_backend = gpu_engine(tiny_llama_dir, dtype=dtype, attention_backend="torch")
+    auto = gpu_engine(tiny_llama_dir, dtype=dtype)
+    expected_name = "flash" if flash_available(torch.bfloat16) else "torch"
+    assert auto.model.attention.name == expected_name
+    prompts = [prompt_of(n, salt=4) for n in (6, 21)]
+    expected = [s.output_token_ids for s in torch_backend.generate(prompts, GREEDY)]
+    assert [s.output_token_ids for s in auto.generate(prompts, GREEDY)] == expected
+    assert_no_leaks(auto)
+
+
+def test_local_transport_moves_cuda_blocks_in_one_process(tiny_llama_dir):
+    prefill = gpu_engine(tiny_llama_dir)
+    decode = gpu_engine(tiny_llama_dir, prefix_caching=False)
+    sender = make_sender("local", "prefill-local", prefill.kv_pool, OPTIONS)
+    receiver = make_receiver("local", "decode-local", decode.kv_pool, OPTIONS)
+    prompt = prompt_of(37, salt=9)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    expected = prefill.generate([prompt], params)[0].output_token_ids
+    prefill.add_request("r", prompt, params, stop_after_prefill=True)
+    while prefill.has_unfinished():
+        prefill.step()
+
+    def export(seq):
+        ticket = sender.export("r", seq.block_ids, len(prompt), "decode-local")
+        return ticket, _block_bytes(prefill, seq.block_ids), seq
+
+    ticket, sent, seq = prefill.export_prefilled("r", export)
+    result, received, tokens = _import_and_decode(
+        decode, receiver, ticket, prompt, seq.output_token_ids
+    )
+    assert (result.transport, received, tokens) == ("local", sent, expected)
+    sender.ack("r")
+    for ids in sender.poll_released():
+        prefill.release_blocks(ids)
+    sender.close()
+    assert_no_leaks(prefill)
+    assert_no_leaks(decode)
+
+
+@pytest.mark.parametrize(
+    "transport",
+    [
+        "grpc",
+        pytest.param(
+            "collective",
+            marks=pytest.mark.skipif(
+                torch.cuda.device_count() < 2, reason="an NCCL pair needs two GPUs"
+            ),
+        ),
+    ],
+)
+def test_cuda_blocks_cross_processes(tiny_llama_dir, transport):
+    """The prefill side in a child process with its own CUDA pool; gRPC copies through
+    host memory, NCCL from device to device (each side on its own GPU)."""
+    from tests.kv_transfer_peer import Peer
+
+    peer_device = "cuda:1" if transport == "collective" else DEVICE
+    peer = Peer(str(tiny_llama_dir), device=peer_device)
+    decode = gpu_engine(tiny_llama_dir, num_kv_blocks=64, prefix_caching=False)
+    prompt = prompt_of(37, salt=10)
+    try:
+        peer.call("open_sender", transport, transport, OPTIONS)
+        ticket_dict, sent, first, expected = peer.call(
+            "prefill_and_export", transport, "req-gpu", prompt, 8
+        )
+        receiver = make_receiver(transport, "decode-gpu", decode.kv_pool, OPTIONS)
+        try:
+            ticket = ExportTicket.from_dict(ticket_dict)
+            result, received, tokens = _import_and_decode(decode, receiver, ticket, prompt, first)
+        finally:
+            receiver.close()
+        assert np.array_equal(np.frombuffer(received, np.uint8), np.frombuffer(sent, np.uint8))
+        assert (tokens, result.transport) == (expected, transport)
+        peer.call("ack", transport, "req-gpu")
+        assert peer.call("wait_all_free") == 0
+    finally:
+        peer.close()
+    assert_no_leaks(decode)
+
+
+def test_nvml_reads_the_gpu_a_worker_runs_on():
+    pytest.importorskip("pynvml")
+    from engine.gpu_stats import read_gpu_stats
+
+    stats = read_gpu_stats("cuda:0")
+    assert stats is not None
+    assert 0.0 <= stats["utilization_ratio"] <= 1.0
+    assert 0 < stats["memory_used_bytes"] <= stats["memory_total_bytes"]
+    assert read_gpu_stats("cpu") is None
+
+
+def _block_bytes(engine, block_ids) -> bytes:
+    return engine.kv_pool.read_blocks(block_ids).cpu().numpy().tobytes()
+
+
+def _import_and_decode(engine, receiver, ticket: ExportTicket, prompt, first_tokens):
+    """The decode side: reserve, fetch, decode; returns (result, block bytes, tokens)."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    seq = engine.begin_import(ticket.request_id, prompt, first_tokens, params, len(prompt))
+    assert engine.reserve_imports() == [seq]
+    result = receiver.fetch(ticket, seq.block_ids, timeout_s=30)
+    assert result.ok, result.message
+    blocks = _block_bytes(engine, seq.block_ids)
+    assert engine.finish_import(ticket.request_id, result.ok, recompute=False)
+    while engine.has_unfinished():
+        engine.step()
+    return result, blocks, seq.output_token_ids
