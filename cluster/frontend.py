@@ -7,7 +7,7 @@ bounded number of in-flight requests (429 + Retry-After past it), counted from h
 until the request closes -> `cluster.run` streamed out as SSE chunks or collected
 into one response. Whichever way the client goes away (a closed stream, a dropped
 non-streaming connection), the request is closed, which aborts it on its workers and
-frees its KV blocks at once.
+frees its KV blocks at once. On a stop signal the frontend drains (`cluster.drain`).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cluster import package_version
 from cluster.choice_fanout import ChoiceFanout
 from cluster.cluster import PDCluster, RequestTimeoutError
+from cluster.drain import SHUTDOWN, Drain
 from cluster.metrics import ClusterMetrics
 from cluster.openai_protocol import ApiError, ParsedRequest, parse_body, read_json, validate_body
 from cluster.openai_responses import ChoiceWriter, EchoedPrompt, TokenNames, envelope, usage
@@ -84,6 +85,7 @@ class FrontendSettings:
 
 _CLIENT_TAG = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 OUTCOME_BY_CLOSE = {"finished": "ok", "cancelled": "cancelled", "timeout": "timeout"}
+"""Close reasons as outcomes; any other (error, shutdown) counts as an error."""
 STATUS_BY_KIND = {"invalid_request": 400, "transfer_failed": 503, "aborted": 503}
 
 
@@ -169,6 +171,7 @@ class OpenAIHandler:
         self.metrics = metrics
         self.in_flight = 0
         """Admitted requests not yet closed."""
+        self.drain = Drain()
         aliases = settings.served_model_names
         self.model_name = aliases[0] if aliases else cluster.model_id
         """What /v1/models lists, and the `model` of a request that names none."""
@@ -184,9 +187,12 @@ class OpenAIHandler:
 
     def health(self) -> JSONResponse:
         """200 while requests can be served. With decode workers but no prefill worker the
-        cluster is `degraded`: decode workers prefill prompts themselves."""
+        cluster is `degraded`: decode workers prefill prompts themselves. 503 `draining`
+        once the server is stopping."""
         live = self.live_workers()
-        if live["colocated"] or (live["prefill"] and live["decode"]):
+        if self.drain.started:
+            status = "draining"
+        elif live["colocated"] or (live["prefill"] and live["decode"]):
             status = "ok"
         elif live["decode"]:
             status = "degraded"
@@ -194,7 +200,7 @@ class OpenAIHandler:
             status = "unavailable"
         return JSONResponse(
             {"status": status, "workers": live},
-            status_code=503 if status == "unavailable" else 200,
+            status_code=503 if status in ("unavailable", "draining") else 200,
         )
 
     def models(self) -> dict:
@@ -252,7 +258,8 @@ class OpenAIHandler:
         if opened.parsed.stream:
             return OwnedStreamingResponse(
                 self._sse(opened, fanout),
-                on_close=lambda: _close_all(opened.reqs, "cancelled"),
+                on_close=lambda reason: _close_all(opened.reqs, reason),
+                cut=self.drain.cut,
                 media_type="text/event-stream",
             )
         return await self._collect_until_disconnect(request, opened, fanout)
@@ -358,6 +365,8 @@ class OpenAIHandler:
 
     def _admit(self, count: int) -> None:
         """Counts the request's choices from here until each closes (`_count_outcome`)."""
+        if self.drain.started:
+            raise Drain.error()
         if self.health().status_code != 200:
             raise ApiError(
                 503,
@@ -413,19 +422,23 @@ class OpenAIHandler:
     async def _collect_until_disconnect(
         self, request: Request, opened: Opened, fanout: ChoiceFanout
     ):
-        """A non-streaming request, closed as soon as its client goes away."""
+        """A non-streaming request, closed as soon as its client goes away, or answered
+        with a 503 when the server's drain runs out first."""
         collect = asyncio.ensure_future(self._collect(opened, fanout))
         gone = asyncio.ensure_future(_client_gone(request))
+        cut = self.drain.cut
         try:
-            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({collect, gone, cut}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
             if not collect.done():
                 collect.cancel()
-                _close_all(opened.reqs, "cancelled")
+                _close_all(opened.reqs, SHUTDOWN if cut.done() else "cancelled")
                 with contextlib.suppress(asyncio.CancelledError, ApiError):
                     await collect
         if collect.cancelled():
+            if cut.done():
+                raise Drain.error()
             return Response(status_code=499)  # nobody is listening any more
         return collect.result()
 
@@ -515,29 +528,62 @@ def _choice_id(request_id: str, index: int, count: int) -> str:
 
 class OwnedStreamingResponse(StreamingResponse):
     """A stream that always learns when its client goes away, and always runs
-    `on_close` at the end, even when the client left before the first byte (plain
-    StreamingResponse notices a disconnect only on its next send under newer ASGI
-    servers, and never starts a body iterator it did not reach)."""
+    `on_close(reason)` at the end, even when the client left before the first byte
+    (plain StreamingResponse notices a disconnect only on its next send under newer
+    ASGI servers, and never starts a body iterator it did not reach). When `cut` (the
+    server's drain running out) comes first, the stream ends with a 503 error event
+    and `[DONE]`, and `on_close` gets `shutdown`."""
 
-    def __init__(self, content, on_close: Callable[[], None], **kwargs):
+    def __init__(self, content, on_close: Callable[[str], None], cut: asyncio.Future, **kwargs):
         super().__init__(content, **kwargs)
         self.on_close = on_close
+        self.cut = cut
+        self.started = False
+        """The response's head has gone out (a cut then ends the body, else sends a 503)."""
 
     async def __call__(self, scope, receive, send) -> None:
+        reason = "cancelled"  # a finished stream closed its requests already
         try:
-            stream = asyncio.ensure_future(self.stream_response(send))
+            stream = asyncio.ensure_future(self.stream_response(self._noting_start(send)))
             gone = asyncio.ensure_future(self.listen_for_disconnect(receive))
             try:
-                await asyncio.wait({stream, gone}, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(
+                    {stream, gone, self.cut}, return_when=asyncio.FIRST_COMPLETED
+                )
             finally:
                 for task in (stream, gone):
                     task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, OSError):
                     await stream
+            if self.cut in done and not done & {stream, gone}:
+                reason = SHUTDOWN
+                with contextlib.suppress(OSError):
+                    await self._end_cut(send)
         finally:
-            self.on_close()
+            self.on_close(reason)
             with contextlib.suppress(Exception):
                 await self.body_iterator.aclose()
+
+    def _noting_start(self, send):
+        async def noted(message) -> None:
+            self.started = self.started or message["type"] == "http.response.start"
+            await send(message)
+
+        return noted
+
+    async def _end_cut(self, send) -> None:
+        error = Drain.error()
+        if not self.started:
+            response = JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+            await send({"type": "http.response.start", "status": response.status_code,
+                        "headers": response.raw_headers})  # fmt: skip
+            await send({"type": "http.response.body", "body": response.body})
+            return
+        events = format_sse_event(data_str=json.dumps(error.body())) + format_sse_event(
+            data_str="[DONE]"
+        )
+        await send({"type": "http.response.body", "body": events, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def _liveness(worker) -> dict:

@@ -27,7 +27,8 @@ from engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 CloseReason = str
-"""`finished`, `cancelled` (the caller went away), `timeout` or `error`."""
+"""`finished`, `cancelled` (the caller went away), `timeout`, `error`, or `shutdown` (cut
+at the end of the server's drain, `cluster.drain`)."""
 
 
 class RequestFailedError(RuntimeError):

@@ -5,8 +5,11 @@ a second rather than after the workers' start-up, and nothing that Ray or the wo
 open meanwhile (their connections take ephemeral ports) can take it. `--port 0` binds
 a free port and announces it.
 
-Shutdown on Ctrl-C / SIGTERM: uvicorn stops accepting and finishes, then the
-workers are shut down and killed, and Ray is stopped if we started it.
+Shutdown on Ctrl-C / SIGTERM drains (`cluster.drain`): the listening socket closes at
+once, so new connections are refused and a load balancer's health check fails; requests
+in flight run to their end for up to `--drain-timeout-s`; whatever still runs then ends
+with a 503 error (each request aborted on its workers, its KV freed); then the workers
+are shut down, and Ray stopped if we started it. A second signal cuts at once.
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ from engine.tool_parsers import TOOL_PARSERS
 logger = logging.getLogger(__name__)
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+DRAIN_TIMEOUT_S = 25.0
+CUT_GRACE_S = 5.0
+"""After the drain's cut, how long uvicorn waits for the cut requests' last bytes before
+it cancels their tasks (a client that stopped reading holds its send)."""
 
 
 def add_serve_parser(sub) -> None:
@@ -53,6 +60,14 @@ def add_serve_parser(sub) -> None:
         type=int,
         default=256,
         help="requests admitted at once; past it, 429 with Retry-After (default: 256)",
+    )
+    parser.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=DRAIN_TIMEOUT_S,
+        help="on SIGTERM or Ctrl-C: refuse new connections, let requests in flight finish for "
+        "up to this many seconds, then cut the rest and stop (a second signal stops at once; "
+        f"default: {DRAIN_TIMEOUT_S:g}, under Kubernetes' 30 s grace period)",
     )
     parser.add_argument(
         "--tool-call-parser",
@@ -94,9 +109,11 @@ def run_serve(args: argparse.Namespace) -> int:
             "the model; pass --api-key (or set PDSERVE_API_KEY)",
             args.host,
         )
+    if args.drain_timeout_s < 0:
+        raise SystemExit("pdserve serve: --drain-timeout-s must be >= 0")
     listener = bind_listener(args.host, args.port)
     with listener:
-        asyncio.run(_serve(config, settings, args.host, listener))
+        asyncio.run(_serve(config, settings, args.host, listener, args.drain_timeout_s))
     return 0
 
 
@@ -119,7 +136,9 @@ def bind_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def _serve(config: ClusterConfig, settings, host: str, listener: socket.socket) -> None:
+async def _serve(
+    config: ClusterConfig, settings, host: str, listener: socket.socket, drain_timeout_s: float
+) -> None:
     from cluster.cluster import PDCluster
     from cluster.frontend import build_app
 
@@ -129,7 +148,7 @@ async def _serve(config: ClusterConfig, settings, host: str, listener: socket.so
     await cluster.start()
     try:
         app = build_app(cluster, settings)
-        server = _quiet_signals_server(app)
+        server = _draining_server(app, drain_timeout_s)
         name = app.state.handler.model_name
         app.router.on_startup.append(lambda: _announce(host, port, name))
         loop = asyncio.get_running_loop()
@@ -141,10 +160,15 @@ async def _serve(config: ClusterConfig, settings, host: str, listener: socket.so
         await cluster.shutdown()
 
 
-def _quiet_signals_server(app):
-    """uvicorn re-raises SIGINT/SIGTERM after serving, which would kill this process
-    before the workers and Ray are shut down; this server's signals only stop serving."""
+def _draining_server(app, drain_timeout_s: float):
+    """uvicorn's server, told to stop by our signal handlers rather than its own (it
+    re-raises SIGINT/SIGTERM after serving, which would kill this process before the
+    workers and Ray are shut down). A first signal starts the frontend's drain and
+    uvicorn's graceful shutdown (no new connections; it waits for the open ones); a
+    second one cuts what runs at once."""
     import uvicorn
+
+    handler = app.state.handler
 
     class Server(uvicorn.Server):
         @contextlib.contextmanager
@@ -153,10 +177,20 @@ def _quiet_signals_server(app):
 
         def request_exit(self) -> None:
             if self.should_exit:
+                logger.info("second signal: ending %d requests in flight now", handler.in_flight)
+                handler.drain.cut_now()
                 self.force_exit = True
+            else:
+                logger.info(
+                    "stopping: new connections refused; %d requests in flight get up to %g s",
+                    handler.in_flight,
+                    drain_timeout_s,
+                )
+                handler.drain.begin(drain_timeout_s)
             self.should_exit = True
 
-    return Server(uvicorn.Config(app, log_level="warning"))
+    grace = drain_timeout_s + CUT_GRACE_S  # uvicorn's own cancel: a backstop to the cut
+    return Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=grace))
 
 
 def _pools(config: ClusterConfig) -> str:

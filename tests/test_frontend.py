@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -527,3 +528,63 @@ def test_sse_wire_format_ends_with_done(server, model_id):
     assert events[-1] == b"data: [DONE]"
     final = json.loads(events[-2].removeprefix(b"data: "))
     assert "pdserve_timings" in final and final["pdserve_timings"]["ttft_s"] is not None
+
+
+def test_a_stop_signal_lets_requests_finish_then_ends_the_rest_with_503(tiny_llama_dir):
+    """SIGTERM: new connections are refused at once; a stream that ends within the
+    drain ends as usual; a stream and a non-streaming request that would run past it
+    get a 503 'shutting down' (an error event then [DONE]; an error answer) when it
+    runs out; the server then exits cleanly."""
+    drain_s = 4.0
+    server = ServerProcess(
+        ["--model", str(tiny_llama_dir), "--dtype", "float32", "--mode", "colocated",
+         "--block-size", "8", "--drain-timeout-s", str(drain_s)],
+        env={"PDSERVE_STEP_DELAY_S": "0.05"},
+    )  # fmt: skip
+    model = tiny_llama_dir.name
+    first_chunks = {"short": threading.Event(), "long": threading.Event()}
+    ended_at: dict[str, float] = {}
+
+    def stream(name: str, max_tokens: int) -> list[str]:
+        body = {"model": model, "prompt": f"{name} story", "max_tokens": max_tokens,
+                "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+        lines = []
+        with requests.post(f"{server.url}/v1/completions", json=body, stream=True, timeout=60) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line.decode()[len("data: ") :])
+                    first_chunks[name].set()
+        ended_at[name] = time.monotonic()
+        return lines
+
+    def collect() -> requests.Response:
+        body = {"model": model, "prompt": "a long one", "max_tokens": 400, "ignore_eos": True}
+        return requests.post(f"{server.url}/v1/completions", json=body, timeout=60)
+
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            long_stream, answer = pool.submit(stream, "long", 400), pool.submit(collect)
+            short_stream = pool.submit(stream, "short", 24)
+            assert all(event.wait(30) for event in first_chunks.values())
+            server.proc.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            with pytest.raises(requests.ConnectionError):
+                for _ in range(20):  # the listener closes within a moment
+                    requests.get(f"{server.url}/health", timeout=2)
+                    time.sleep(0.1)
+            short, long, answer = short_stream.result(), long_stream.result(), answer.result()
+        assert server.proc.wait(timeout=60) == 0, server.output()
+    finally:
+        leftovers = server.stop()
+    assert not leftovers
+
+    assert short[-1] == "[DONE]" and ended_at["short"] < signalled + drain_s
+    finished = json.loads(short[-2])
+    assert finished["choices"][0]["finish_reason"] == "length" and "error" not in finished
+
+    assert long[-1] == "[DONE]" and json.loads(long[-2])["error"]["code"] == 503
+    assert "shutting down" in json.loads(long[-2])["error"]["message"]
+    assert drain_s - 0.5 < ended_at["long"] - signalled < drain_s + 3
+    assert all(json.loads(line)["choices"][0]["finish_reason"] is None for line in long[:-2])
+
+    assert answer.status_code == 503 and answer.json()["error"]["code"] == 503
