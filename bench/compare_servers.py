@@ -192,14 +192,20 @@ FIGURES = (
 )
 
 
+def best_vllm(results: list[dict], index: int) -> dict | None:
+    """The summary of the vLLM configuration with the most output tok/s at point `index`:
+    what every ratio at that point is against (None without a vLLM server)."""
+    vllm = [r["points"][index]["summary"] for r in results if r["server"].startswith("vllm")]
+    return max(vllm, key=lambda s: s.get("output_throughput") or 0) if vllm else None
+
+
 def format_table(results: list[dict]) -> str:
     """Medians per server and point, each with its ratio against vLLM's best there."""
     labels = [p["label"] for p in results[0]["points"]]
     lines = []
     for index, label in enumerate(labels):
         lines.append(f"\n{label}")
-        vllm = [r["points"][index]["summary"] for r in results if r["server"].startswith("vllm")]
-        best = max(vllm, key=lambda s: s.get("output_throughput") or 0) if vllm else None
+        best = best_vllm(results, index)
         width = max(24, *(len(r["server"]) + 2 for r in results))
         header = f"{'server':<{width}}" + "".join(f"{name:>22}" for name, *_ in FIGURES)
         header += f"{'engine-rate bound':>22}"
@@ -251,6 +257,20 @@ def add_compare_servers_parser(kinds) -> None:
         "--pdserve-arg", action="append", default=[], help="extra `pdserve serve` flag (repeatable)"
     )
     parser.add_argument("--tokenizer", default="demo", help="'demo' or a tokenizer directory")
+    parser.add_argument(
+        "--plot",
+        default=None,
+        metavar="PNG",
+        help="also draw the sitting: a bar per server and figure at each point, with the "
+        "repeats' min-max and the ratio against vLLM",
+    )
+    parser.add_argument(
+        "--from-json",
+        default=None,
+        metavar="JSON",
+        help="start nothing: print the table (and --plot) of a report this command wrote "
+        "with --json",
+    )
     add_workload_args(parser)
     add_run_args(parser)
     parser.set_defaults(func=_run, concurrency="1,16")
@@ -259,6 +279,8 @@ def add_compare_servers_parser(kinds) -> None:
 def _run(args: argparse.Namespace) -> int:
     from bench.prompt_text import PromptMaker
 
+    if args.from_json:
+        return _report(json.loads(Path(args.from_json).read_text()), args.plot)
     try:
         servers = parse_servers(args.servers)
     except ValueError as exc:
@@ -276,8 +298,19 @@ def _run(args: argparse.Namespace) -> int:
             with open(args.json, "w") as handle:
                 report = {"machine": machine_info(), "servers": results, "failed": failed}
                 json.dump(report, handle, indent=2)
+    code = _report({"machine": machine_info(), "servers": results, "failed": failed}, args.plot)
+    return 1 if failed else code
+
+
+def _report(report: dict, plot_path: str | None) -> int:
+    """Print the table of a sitting (and draw it); 1 when no server was measured."""
+    results = report["servers"]
     if results:
         print(format_table(results))
-    for failure in failed:
+        if plot_path:
+            from bench.compare_plot import plot_comparison
+
+            print(f"plot: {plot_comparison(report, plot_path)}")
+    for failure in report.get("failed", []):
         print(f"{failure['server']}: FAILED ({failure['error'].splitlines()[-1][:200]})")
-    return 1 if failed else 0
+    return 0 if results else 1

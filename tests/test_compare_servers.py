@@ -88,6 +88,8 @@ def test_a_server_that_fails_does_not_lose_the_others(monkeypatch, tmp_path, cap
         servers="vllm-fp32,pdserve-colocated@--max-batch-tokens=256,pdserve-colocated",
         tokenizer="demo",
         json=str(out),
+        from_json=None,
+        plot=None,
     )
     assert compare._run(args) == 1
     printed = capsys.readouterr().out
@@ -96,3 +98,53 @@ def test_a_server_that_fails_does_not_lose_the_others(monkeypatch, tmp_path, cap
     report = json.loads(out.read_text())
     assert [r["server"] for r in report["servers"]] == ["vllm-fp32", "pdserve-colocated"]
     assert report["failed"][0]["server"] == "pdserve-colocated --max-batch-tokens=256"
+
+
+def sitting_point(label: str, runs: list[tuple[float, float]]) -> dict:
+    """A point as compare-servers writes it: each run's summary, and their medians."""
+    summaries = [
+        {"output_throughput": tok_s, "ttft_p50_s": ttft, "tpot_p50_s": 0.04, "itl_p99_s": 0.09}
+        for tok_s, ttft in runs
+    ]
+    median = sorted(summaries, key=lambda s: s["output_throughput"])[len(summaries) // 2]
+    return {"label": label, "runs": [{"summary": s} for s in summaries], "summary": median}
+
+
+def test_a_saved_sitting_is_tabled_and_drawn_again_without_starting_anything(tmp_path):
+    """`--from-json` reads a report `--json` wrote: the same table, and `--plot` draws it
+    (a bar per server and figure at each point, min-max whiskers, ratios)."""
+    import json
+    import subprocess
+    import sys
+
+    servers = {
+        "vllm-fp32": [(19.0, 0.52), (19.9, 0.51), (20.2, 0.53)],
+        "pdserve-colocated": [(27.9, 0.45), (32.7, 0.44), (33.2, 0.46)],
+        "pdserve-disaggregated": [(20.1, 0.70), (22.7, 0.71), (24.0, 0.69)],
+    }
+    report = {
+        "machine": {"cpu_model": "AMD EPYC", "logical_cpus": 2},
+        "servers": [
+            {
+                "server": name,
+                "points": [
+                    sitting_point("concurrency=1", runs),
+                    sitting_point("concurrency=16", runs),
+                ],
+            }
+            for name, runs in servers.items()
+        ],
+        "failed": [],
+    }
+    saved, png = tmp_path / "sitting.json", tmp_path / "sitting.png"
+    saved.write_text(json.dumps(report))
+    done = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "bench", "compare-servers",
+         "--from-json", str(saved), "--plot", str(png)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert format_table(report["servers"]) in done.stdout
+    row = next(line for line in done.stdout.splitlines() if line.startswith("pdserve-colocated"))
+    assert "32.7 (1.64x)" in row
+    assert png.stat().st_size > 20_000
