@@ -121,8 +121,16 @@ def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int, device: s
             step_logits.append(logits)
             token = int(logits.argmax())
             tokens.append(token)
-            out = model(torch.tensor([[token]], device=device), cache=out.cache, use_cache=True)
+            next_ids = torch.tensor([[token]], device=device)
+            out = model(next_ids, **_cache_of(out), use_cache=True)
     return tokens, torch.stack(step_logits)
+
+
+def _cache_of(out) -> dict:
+    """The forward's KV cache as the next call takes it: `cache` in recent transformers,
+    `past_key_values` before the rename (a GPU machine's own transformers may be older)."""
+    cache = getattr(out, "cache", None)
+    return {"cache": cache} if cache is not None else {"past_key_values": out.past_key_values}
 
 
 @cache
