@@ -211,6 +211,13 @@ def add_serve_bench_parser(kinds) -> None:
     add_target_args(parser)
     add_workload_args(parser)
     add_run_args(parser)
+    parser.add_argument(
+        "--plot",
+        default=None,
+        metavar="PNG",
+        help="also draw each point: its requests over time, TTFT / E2E and inter-token gap "
+        "distributions, chunks per second",
+    )
     parser.set_defaults(func=_run)
 
 
@@ -232,6 +239,10 @@ def _run(args: argparse.Namespace) -> int:
         write_json(args.json, header, entries)
     if args.csv:
         write_csv(args.csv, entries)
+    if args.plot:
+        from bench.serve_plot import plot_run
+
+        print(f"plot: {plot_run(entries, args.plot)}")
     if len(entries) > 1:
         print(format_table(entries))
     print(format_definitions())

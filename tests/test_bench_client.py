@@ -333,6 +333,26 @@ def test_sweep_writes_its_plots(tmp_path):
     assert pareto_front([(10, 1.0), (20, 0.5), (15, 2.0), (30, 3.0)]) == [(20, 0.5), (30, 3.0)]
 
 
+def test_a_run_is_drawn_and_each_chunk_placed_at_its_arrival(tmp_path):
+    """`bench serve --plot`: every point's requests, distributions and chunks per second;
+    a chunk's time is the request's start + TTFT + the gaps before it."""
+    from bench.serve_plot import plot_run, token_times
+
+    def record(index: int, start: float, outcome: str = "ok") -> dict:
+        ok = outcome == "ok"
+        return {"index": index, "outcome": outcome, "start_s": start,
+                "ttft_s": 0.5 if ok else None, "e2e_s": 1.1 if ok else 0.2,
+                "itl_s": [0.2, 0.2, 0.2] if ok else []}  # fmt: skip
+
+    assert token_times(record(0, 1.0)) == pytest.approx([1.5, 1.7, 1.9, 2.1])
+    assert token_times(record(1, 1.0, "error")) == []
+    runs = [{"records": [record(i, 0.3 * i, "error" if i == 3 else "ok") for i in range(8)]}]
+    entries = [{"label": f"concurrency={c}", "runs": runs * 2} for c in (1, 4)]
+    path = plot_run(entries, str(tmp_path / "run.png"))
+    assert Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert Path(path).stat().st_size > 30_000
+
+
 def test_compare_shows_ratios_and_what_moved_in_the_server(tmp_path):
     header = {"workload": {"kind": "random"}, "machine": {"cpu_model": "x"}}
     a = _point("concurrency=16", {}, 20.0, 2.0, {"decode batch size": 8.0, "prefill (s)": 1.0})
