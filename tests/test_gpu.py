@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from engine.sampling_params import SamplingParams
-from kv_transfer import ExportTicket, TransportOptions, make_receiver, make_sender
+from kv_transfer import ExportTicket, TransportOptions, make_receiver
 from tests.conftest import assert_no_leaks, make_engine
 from tests.factories import _hf_model, hf_greedy
 from tests.test_engine_correctness import our_greedy_with_logits, prompt_of
+from tests.test_kv_transfer_contract import import_and_decode, moves_a_prompt_in_one_process
 
 pytestmark = [
     pytest.mark.gpu,
@@ -125,30 +126,7 @@ def test_every_cuda_attention_backend_agrees_with_torch_on_whole_requests(tiny_l
 def test_local_transport_moves_cuda_blocks_in_one_process(tiny_llama_dir):
     prefill = gpu_engine(tiny_llama_dir)
     decode = gpu_engine(tiny_llama_dir, prefix_caching=False)
-    sender = make_sender("local", "prefill-local", prefill.kv_pool, OPTIONS)
-    receiver = make_receiver("local", "decode-local", decode.kv_pool, OPTIONS)
-    prompt = prompt_of(37, salt=9)
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    expected = prefill.generate([prompt], params)[0].output_token_ids
-    prefill.add_request("r", prompt, params, stop_after_prefill=True)
-    while prefill.has_unfinished():
-        prefill.step()
-
-    def export(seq):
-        ticket = sender.export("r", seq.block_ids, len(prompt), "decode-local")
-        return ticket, _block_bytes(prefill, seq.block_ids), seq
-
-    ticket, sent, seq = prefill.export_prefilled("r", export)
-    result, received, tokens = _import_and_decode(
-        decode, receiver, ticket, prompt, seq.output_token_ids
-    )
-    assert (result.transport, received, tokens) == ("local", sent, expected)
-    sender.ack("r")
-    for ids in sender.poll_released():
-        prefill.release_blocks(ids)
-    sender.close()
-    assert_no_leaks(prefill)
-    assert_no_leaks(decode)
+    moves_a_prompt_in_one_process(prefill, decode, prompt_of(37, salt=9))
 
 
 @pytest.mark.parametrize(
@@ -180,7 +158,7 @@ def test_cuda_blocks_cross_processes(tiny_llama_dir, transport):
         receiver = make_receiver(transport, "decode-gpu", decode.kv_pool, OPTIONS)
         try:
             ticket = ExportTicket.from_dict(ticket_dict)
-            result, received, tokens = _import_and_decode(decode, receiver, ticket, prompt, first)
+            result, received, tokens = import_and_decode(decode, receiver, ticket, prompt, first)
         finally:
             receiver.close()
         assert np.array_equal(np.frombuffer(received, np.uint8), np.frombuffer(sent, np.uint8))
@@ -201,21 +179,3 @@ def test_nvml_reads_the_gpu_a_worker_runs_on():
     assert 0.0 <= stats["utilization_ratio"] <= 1.0
     assert 0 < stats["memory_used_bytes"] <= stats["memory_total_bytes"]
     assert read_gpu_stats("cpu") is None
-
-
-def _block_bytes(engine, block_ids) -> bytes:
-    return engine.kv_pool.read_blocks(block_ids).cpu().numpy().tobytes()
-
-
-def _import_and_decode(engine, receiver, ticket: ExportTicket, prompt, first_tokens):
-    """The decode side: reserve, fetch, decode; returns (result, block bytes, tokens)."""
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    seq = engine.begin_import(ticket.request_id, prompt, first_tokens, params, len(prompt))
-    assert engine.reserve_imports() == [seq]
-    result = receiver.fetch(ticket, seq.block_ids, timeout_s=30)
-    assert result.ok, result.message
-    blocks = _block_bytes(engine, seq.block_ids)
-    assert engine.finish_import(ticket.request_id, result.ok, recompute=False)
-    while engine.has_unfinished():
-        engine.step()
-    return result, blocks, seq.output_token_ids

@@ -45,18 +45,23 @@ def decode_engine(tiny_llama_dir):
     return make_engine(tiny_llama_dir, num_kv_blocks=64, prefix_caching=False)
 
 
-def _import_and_decode(engine, receiver, ticket: ExportTicket, prompt, first_tokens):
-    """Decode side, steps 2-4: reserve, fetch, decode; returns (result, blocks, tokens)."""
+def import_and_decode(engine, receiver, ticket: ExportTicket, prompt, first_tokens):
+    """Decode side, steps 2-4: reserve, fetch, decode; returns (result, block bytes,
+    tokens). The bytes are read back to host memory from a pool on any device."""
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     seq = engine.begin_import(ticket.request_id, prompt, first_tokens, params, len(prompt))
     assert engine.reserve_imports() == [seq]
     result = receiver.fetch(ticket, seq.block_ids, timeout_s=20)
     assert result.ok, result.message
-    blocks = engine.kv_pool.read_blocks(seq.block_ids).numpy().tobytes()
+    blocks = block_bytes(engine, seq.block_ids)
     assert engine.finish_import(ticket.request_id, result.ok, recompute=False)
     while engine.has_unfinished():
         engine.step()
     return result, blocks, seq.output_token_ids
+
+
+def block_bytes(engine, block_ids) -> bytes:
+    return engine.kv_pool.read_blocks(block_ids).cpu().numpy().tobytes()
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -74,9 +79,7 @@ def test_transport_moves_a_real_prompt_between_processes(case, prefill_peer, dec
     )
     try:
         # 2-4. decode side imports and decodes from the imported KV
-        result, received, tokens = _import_and_decode(
-            decode_engine, receiver, ticket, PROMPT, first
-        )
+        result, received, tokens = import_and_decode(decode_engine, receiver, ticket, PROMPT, first)
     finally:
         receiver.close()
     # 5. byte-identical blocks, same decode, the transport named is the one used
@@ -94,22 +97,27 @@ def test_transport_moves_a_real_prompt_between_processes(case, prefill_peer, dec
 
 
 def test_local_transport_in_one_process(tiny_llama_dir, decode_engine):
-    prefill = make_engine(tiny_llama_dir)
+    moves_a_prompt_in_one_process(make_engine(tiny_llama_dir), decode_engine, PROMPT)
+
+
+def moves_a_prompt_in_one_process(prefill, decode, prompt: list[int]) -> None:
+    """`local` between two engines of this process (on CPU here, on a GPU in
+    tests/test_gpu.py): the same bytes and the same decode; both pools end free."""
     sender = make_sender("local", "prefill-local", prefill.kv_pool, OPTIONS)
-    receiver = make_receiver("local", "decode-local", decode_engine.kv_pool, OPTIONS)
+    receiver = make_receiver("local", "decode-local", decode.kv_pool, OPTIONS)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    expected = prefill.generate([PROMPT], params)[0].output_token_ids
-    prefill.add_request("r", PROMPT, params, stop_after_prefill=True)
+    expected = prefill.generate([prompt], params)[0].output_token_ids
+    prefill.add_request("r", prompt, params, stop_after_prefill=True)
     while prefill.has_unfinished():
         prefill.step()
 
     def export(seq):
-        ticket = sender.export("r", seq.block_ids, len(PROMPT), "decode-local")
-        return ticket, prefill.kv_pool.read_blocks(seq.block_ids).numpy().tobytes(), seq
+        ticket = sender.export("r", seq.block_ids, len(prompt), "decode-local")
+        return ticket, block_bytes(prefill, seq.block_ids), seq
 
     ticket, sent, seq = prefill.export_prefilled("r", export)
-    result, received, tokens = _import_and_decode(
-        decode_engine, receiver, ticket, PROMPT, seq.output_token_ids
+    result, received, tokens = import_and_decode(
+        decode, receiver, ticket, prompt, seq.output_token_ids
     )
     assert (result.transport, received, tokens) == ("local", sent, expected)
     sender.ack("r")
@@ -117,7 +125,7 @@ def test_local_transport_in_one_process(tiny_llama_dir, decode_engine):
         prefill.release_blocks(ids)
     sender.close()
     assert_no_leaks(prefill)
-    assert_no_leaks(decode_engine)
+    assert_no_leaks(decode)
 
 
 def _with_node(options: TransportOptions, node: str | None) -> TransportOptions:
