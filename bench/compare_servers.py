@@ -287,19 +287,19 @@ def _run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--servers: {exc}") from None
     args.api_key, args.model = None, None
     maker = PromptMaker.from_arg(args.tokenizer)
-    results, failed = [], []
+    report = {"machine": None, "servers": [], "failed": []}
     for server in servers:
         try:
-            results.append(asyncio.run(measure(server, args, maker)))
+            report["servers"].append(asyncio.run(measure(server, args, maker)))
         except Exception as exc:  # one server that will not start or run must not lose the rest
             print(f"[{server.label}] failed: {exc}")
-            failed.append({"server": server.label, "error": str(exc)})
+            report["failed"].append({"server": server.label, "error": str(exc)})
+        report["machine"] = machine_info()  # the load average as of this server's end
         if args.json:  # after every server: a later failure keeps what was measured
             with open(args.json, "w") as handle:
-                report = {"machine": machine_info(), "servers": results, "failed": failed}
                 json.dump(report, handle, indent=2)
-    code = _report({"machine": machine_info(), "servers": results, "failed": failed}, args.plot)
-    return 1 if failed else code
+    code = _report(report, args.plot)
+    return 1 if report["failed"] else code
 
 
 def _report(report: dict, plot_path: str | None) -> int:

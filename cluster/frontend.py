@@ -558,7 +558,7 @@ class OwnedStreamingResponse(StreamingResponse):
             if self.cut in done and not done & {stream, gone}:
                 reason = SHUTDOWN
                 with contextlib.suppress(OSError):
-                    await self._end_cut(send)
+                    await self._end_cut(scope, receive, send)
         finally:
             self.on_close(reason)
             with contextlib.suppress(Exception):
@@ -571,19 +571,17 @@ class OwnedStreamingResponse(StreamingResponse):
 
         return noted
 
-    async def _end_cut(self, send) -> None:
+    async def _end_cut(self, scope, receive, send) -> None:
+        """The 503 of a cut: the rest of the SSE body, or the whole answer when the
+        response's head had not gone out."""
         error = Drain.error()
         if not self.started:
-            response = JSONResponse(error.body(), status_code=error.status, headers=error.headers)
-            await send({"type": "http.response.start", "status": response.status_code,
-                        "headers": response.raw_headers})  # fmt: skip
-            await send({"type": "http.response.body", "body": response.body})
+            answer = JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+            await answer(scope, receive, send)
             return
-        events = format_sse_event(data_str=json.dumps(error.body())) + format_sse_event(
-            data_str="[DONE]"
-        )
-        await send({"type": "http.response.body", "body": events, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        events = format_sse_event(data_str=json.dumps(error.body()))
+        events += format_sse_event(data_str="[DONE]")
+        await send({"type": "http.response.body", "body": events, "more_body": False})
 
 
 def _liveness(worker) -> dict:
