@@ -44,12 +44,13 @@ _ROLE_DRAWS = random.Random(_SOAK_SEED)
 class Admin:
     """The frontend's /admin and /v1/models endpoints, as the drill uses them."""
 
-    def __init__(self, url: str, api_key: str | None):
+    def __init__(self, url: str, api_key: str | None, admin_api_key: str | None):
         self.url = url
         self.api_key = api_key
+        self.admin_api_key = admin_api_key
 
     async def get(self, path: str) -> dict:
-        return await get_json(self.url, path, self.api_key)
+        return await get_json(self.url, path, self.admin_api_key)
 
     async def workers(self) -> list[dict]:
         return (await self.get("/admin/workers"))["workers"]
@@ -131,7 +132,7 @@ def _context(part: int, words: int) -> str:
 
 
 async def run_drill(args) -> DrillReport:
-    admin = Admin(args.url.rstrip("/"), args.api_key)
+    admin = Admin(args.url.rstrip("/"), args.api_key, args.admin_api_key)
     model = args.model or await admin.model()
     prompts = drill_prompts(args.requests, context_words=args.context_words)
     spec = LoadSpec(
@@ -397,7 +398,13 @@ def add_drill_parser(sub) -> None:
     parser.add_argument(
         "--api-key",
         default=os.environ.get("PDSERVE_API_KEY"),
-        help="bearer key (or PDSERVE_API_KEY)",
+        help="bearer key of the load's requests (or PDSERVE_API_KEY)",
+    )
+    parser.add_argument(
+        "--admin-api-key",
+        default=os.environ.get("PDSERVE_ADMIN_API_KEY"),
+        help="bearer key of the server's /admin endpoints, which the drill reads to find and "
+        "watch workers (or PDSERVE_ADMIN_API_KEY; a server started without one needs none)",
     )
     parser.add_argument(
         "--recovery-timeout",

@@ -33,7 +33,7 @@ def run_driver_kill(args) -> int:
 
 
 async def _drill(args) -> dict:
-    admin = Admin(args.url.rstrip("/"), args.api_key)
+    admin = Admin(args.url.rstrip("/"), args.api_key, args.admin_api_key)
     body = await admin.get("/admin/workers")
     workers = [w["pid"] for w in body["workers"] if w.get("pid")]
     spec = LoadSpec(

@@ -22,7 +22,7 @@ import time
 import psutil
 import requests
 
-ANNOUNCEMENT = re.compile(r"pdserve listening on http://[^\s:]+:(\d+)")
+ANNOUNCEMENT = re.compile(r"pdserve listening on (https?)://[^\s:]+:(\d+)")
 
 
 def free_port() -> int:
@@ -40,10 +40,14 @@ class ServerProcess:
         env: dict | None = None,
         startup_timeout_s: float = 300.0,
         port: int | None = None,
+        verify: str | bool = True,
     ):
-        """`port`: where the server listens (default: one the server picks and announces)."""
+        """`port`: where the server listens (default: one the server picks and announces);
+        `verify`: the CA file its HTTPS certificate is checked against, when it serves
+        HTTPS (`--ssl-certfile`)."""
         self.port = port or 0
         self.url = ""
+        self.verify = verify
         command = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(self.port), *args]
         handle, self.output_path = tempfile.mkstemp(prefix="pdserve-serve-", suffix=".log")
         self.log = os.fdopen(handle, "w")
@@ -61,7 +65,8 @@ class ServerProcess:
                 time.sleep(0.5)
                 continue
             try:
-                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
+                health = requests.get(f"{self.url}/health", timeout=2, verify=self.verify)
+                if health.status_code == 200:
                     return
             except requests.RequestException:
                 pass
@@ -72,8 +77,8 @@ class ServerProcess:
     def _read_announcement(self) -> bool:
         found = ANNOUNCEMENT.search(self.output(tail=None))
         if found:
-            self.port = int(found.group(1))
-            self.url = f"http://127.0.0.1:{self.port}"
+            self.port = int(found.group(2))
+            self.url = f"{found.group(1)}://127.0.0.1:{self.port}"
         return bool(found)
 
     def output(self, tail: int | None = 4000) -> str:

@@ -2,8 +2,9 @@
 
 `add_config_flags(parser, ClusterConfig)` adds `--field-name` for every field: the
 type comes from its annotation, choices from a `Literal`, booleans become
-`--x/--no-x`, a dict takes JSON, and the help text is the docstring written under
-the field. Flags default to None, meaning "not given": `config_overrides` returns
+`--x/--no-x`, a dict takes JSON, a tuple takes one or more values, and the help text
+is the docstring written under the field. A field's metadata may name its flag
+(`{"flag": "--x"}`), its choices (`{"choices": [...]}`) and its metavar. Flags default to None, meaning "not given": `config_overrides` returns
 only what was given, for `ClusterConfig.load` to lay over the YAML file.
 """
 
@@ -52,14 +53,23 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type, skip: set[str] 
         default = f.default if f.default is not MISSING else f.default_factory()
         doc = docs.get(f.name, f.name.replace("_", " "))
         kwargs = _argument_kwargs(_unwrap_optional(hints[f.name]))
+        if "choices" in f.metadata:
+            kwargs["choices"] = list(f.metadata["choices"])
+        if "metavar" in f.metadata:
+            kwargs["metavar"] = f.metadata["metavar"]
         kwargs["help"] = f"{doc} (default: {default!r})".replace("%", "%%")
-        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None, **kwargs)
+        flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+        parser.add_argument(flag, dest=f.name, default=None, **kwargs)
 
 
 def config_overrides(args: argparse.Namespace, cls: type) -> dict:
     """The fields of `cls` given on the command line (flags left out are None)."""
     given = {f.name: getattr(args, f.name, None) for f in fields(cls)}
-    return {name: value for name, value in given.items() if value is not None}
+    return {
+        name: tuple(value) if isinstance(value, list) else value
+        for name, value in given.items()
+        if value is not None
+    }
 
 
 def _unwrap_optional(hint):
@@ -80,6 +90,8 @@ def _argument_kwargs(hint) -> dict:
         return {"type": hint}
     if hint is dict or get_origin(hint) is dict:
         return {"type": _json_object, "metavar": "JSON"}
+    if get_origin(hint) is tuple:
+        return {"type": get_args(hint)[0], "nargs": "+"}
     raise TypeError(f"no flag type for {hint!r}")
 
 

@@ -1,11 +1,14 @@
 """OpenAI-compatible HTTP frontend over a `PDCluster` (FastAPI + uvicorn).
 
-A request's path here: auth -> body read, size and nesting checks, JSON parse and
-validation (4xx on bad input, the server keeps serving) -> tokenize / chat template
--> `cluster.open_request` (400 for what no worker can hold) -> admission against a
-bounded number of in-flight requests (429 + Retry-After past it), counted from here
-until the request closes -> `cluster.run` streamed out as SSE chunks or collected
-into one response. Whichever way the client goes away (a closed stream, a dropped
+A request's path here: auth -> a provisional admission slot (429 + Retry-After when
+the server is full, 503 when it cannot serve), before anything that scales with the
+body -> the body read, bounded in size and time, and parsed in linear time
+(cluster/request_body.py) -> validation, tokenization and the chat template on a worker
+thread, so the event loop keeps serving others (4xx on bad input, the server keeps
+serving) -> admission of every choice against the bounded number of in-flight
+requests, counted from here until each closes -> `cluster.open_request` (400 for what
+no worker can hold) -> `cluster.run` streamed out as SSE chunks or collected into one
+response. Whichever way the client goes away (a closed stream, a dropped
 non-streaming connection), the request is closed, which aborts it on its workers and
 frees its KV blocks at once. On a stop signal the frontend drains (`cluster.drain`).
 """
@@ -34,10 +37,12 @@ from cluster import package_version
 from cluster.choice_fanout import ChoiceFanout
 from cluster.cluster import PDCluster, RequestTimeoutError
 from cluster.drain import SHUTDOWN, Drain
+from cluster.frontend_settings import FrontendSettings
 from cluster.metrics import ClusterMetrics
-from cluster.openai_protocol import ApiError, ParsedRequest, parse_body, read_json, validate_body
+from cluster.openai_protocol import ApiError, ParsedRequest, parse_body, validate_body
 from cluster.openai_responses import ChoiceWriter, EchoedPrompt, TokenNames, envelope, usage
 from cluster.request import ClusterRequest, GenerationChunk, RequestFailedError
+from cluster.request_body import read_json
 from cluster.router import NoLiveWorkerError
 from cluster.tokenize_api import (
     DetokenizeBody,
@@ -48,45 +53,30 @@ from cluster.tokenize_api import (
     tokenize,
 )
 from cluster.tools import ToolCallReader
-from engine import envs
 from engine.errors import InvalidRequestError
-from engine.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class FrontendSettings:
-    api_key: str | None = None
-    """When set, every /v1 call needs `Authorization: Bearer <api_key>`."""
-    max_body_bytes: int = 4 << 20
-    max_in_flight: int = 256
-    """Requests admitted at once; past it, 429 with Retry-After."""
-    retry_after_s: int = 1
-    tool_call_parser: str = "hermes"
-    """How `tool_choice: auto` answers are read for calls (engine/tool_parsers.py), or
-    `none` to return them as plain content."""
-    served_model_names: tuple[str, ...] = ()
-    """The names requests may give as `model`, the first one listed by /v1/models and
-    echoed when a request names none. Empty: the model's own name and its --model
-    argument."""
-
-    def __post_init__(self) -> None:
-        if self.max_body_bytes <= 0 or self.max_in_flight <= 0:
-            raise ValueError("max_body_bytes and max_in_flight must be positive")
-        if any(not name.strip() for name in self.served_model_names):
-            raise ValueError("served_model_names must be non-empty strings")
-        if self.tool_call_parser not in ("none", *TOOL_PARSERS):
-            raise ValueError(
-                f"tool_call_parser must be one of none, {', '.join(TOOL_PARSERS)}; "
-                f"got {self.tool_call_parser!r}"
-            )
 
 
 _CLIENT_TAG = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 OUTCOME_BY_CLOSE = {"finished": "ok", "cancelled": "cancelled", "timeout": "timeout"}
 """Close reasons as outcomes; any other (error, shutdown) counts as an error."""
 STATUS_BY_KIND = {"invalid_request": 400, "transfer_failed": 503, "aborted": 503}
+PUBLIC_FAILURES = {
+    "transfer_failed": "moving the prompt's KV cache between workers failed; retry the request",
+    "aborted": "a worker gave the request up; retry it",
+}
+"""What a client is told of a worker's failure: the worker's own text (paths, peers,
+internals) goes to the log with the request id, never into the answer."""
+DISCLOSED_ONLY_WITH_DETAILS = (
+    "cached_tokens",
+    "prefill_cached_tokens",
+    "decode_reused_blocks",
+    "kv_blocks_moved",
+    "kv_bytes_saved",
+    "route",
+)
+"""`pdserve_timings` fields sent only with `enable_prompt_tokens_details`."""
 
 
 def build_app(
@@ -94,7 +84,7 @@ def build_app(
     settings: FrontendSettings | None = None,
     metrics: ClusterMetrics | None = None,
 ) -> FastAPI:
-    settings = settings or FrontendSettings(api_key=envs.api_key())
+    settings = settings or FrontendSettings.from_env()
     metrics = metrics or ClusterMetrics(cluster.controller)
     cluster.on_finish.append(lambda req: metrics.observe_timeline(req.timeline))
     handler = OpenAIHandler(cluster, settings, metrics)
@@ -121,12 +111,12 @@ def build_app(
 
     @app.get("/admin/workers")
     async def admin_workers(request: Request):
-        handler.authorize(request)
+        handler.authorize_admin(request)
         return await handler.workers()
 
     @app.get("/admin/steps")
     async def admin_steps(request: Request, last: int = 512):
-        handler.authorize(request)
+        handler.authorize_admin(request)
         return await cluster.controller.step_traces(max(0, min(last, 4096)))
 
     @app.get("/v1/models")
@@ -170,7 +160,9 @@ class OpenAIHandler:
         self.settings = settings
         self.metrics = metrics
         self.in_flight = 0
-        """Admitted requests not yet closed."""
+        """Admitted choices not yet closed."""
+        self.preparing = 0
+        """Requests holding a provisional slot: body, parse and tokenization under way."""
         self.drain = Drain()
         aliases = settings.served_model_names
         self.model_name = aliases[0] if aliases else cluster.model_id
@@ -235,12 +227,18 @@ class OpenAIHandler:
         }
 
     def authorize(self, request: Request) -> None:
-        key = self.settings.api_key
-        if not key:
-            return
-        sent = request.headers.get("authorization", "").encode("utf-8", "surrogateescape")
-        if not hmac.compare_digest(sent, f"Bearer {key}".encode()):
-            raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')")
+        """The tenants' endpoints: the API key, where one is set."""
+        if self.settings.api_key:
+            _check_bearer(request, self.settings.api_key)
+
+    def authorize_admin(self, request: Request) -> None:
+        """/admin/*: the admin key; refused outright when only tenants have a key."""
+        if self.settings.admin_api_key:
+            _check_bearer(request, self.settings.admin_api_key)
+        elif self.settings.api_key:
+            raise ApiError(
+                403, "the admin endpoints are off: start the server with --admin-api-key"
+            )
 
     # --- generation -------------------------------------------------------------------
 
@@ -267,17 +265,10 @@ class OpenAIHandler:
     async def _open(self, request: Request, kind: str) -> Opened:
         """Everything before the request is admitted; raises ApiError, never anything else
         for client input."""
+        self.authorize(request)
+        self._reserve()
         try:
-            self.authorize(request)
-            parsed = parse_body(kind, await read_json(request, self.settings.max_body_bytes))
-            parsed = self._named(parsed)
-            prompts = [self._prompt_ids(parsed, prompt) for prompt in parsed.prompts]
-            self._check_named_tokens(parsed)
-            request_id = _request_id(kind, request.headers.get("x-request-id"))
-            reqs = [
-                self._open_choice(parsed, prompts, index, request_id)
-                for index in range(parsed.num_choices)
-            ]
+            return await self._prepare(request, kind)
         except ApiError:
             raise
         except InvalidRequestError as exc:
@@ -285,8 +276,30 @@ class OpenAIHandler:
         except Exception as exc:  # a bug, not the client: a JSON 500, the server keeps going
             logger.exception("request could not be opened")
             raise ApiError(500, f"internal error: {type(exc).__name__}") from None
-        self._admit(len(reqs))
+        finally:
+            self.preparing -= 1
+
+    async def _prepare(self, request: Request, kind: str) -> Opened:
+        """Read, parse and tokenize under the provisional slot; then admit every choice."""
+        settings = self.settings
+        body = await read_json(request, settings.max_body_bytes, settings.read_timeout_s)
+        parsed, prompts = await asyncio.to_thread(self._parse, kind, body)
+        request_id = _request_id(kind, request.headers.get("x-request-id"))
+        self._check_capacity(parsed.num_choices, holding=1)
+        reqs = [
+            self._open_choice(parsed, prompts, index, request_id)
+            for index in range(parsed.num_choices)
+        ]
+        self.in_flight += len(reqs)
         return Opened(request_id, parsed, prompts, reqs)
+
+    def _parse(self, kind: str, body) -> tuple[ParsedRequest, list[list[int]]]:
+        """On a worker thread: validation (grammars compiled), the chat template and
+        tokenization, whose cost grows with the body."""
+        parsed = self._named(parse_body(kind, body))
+        prompts = [self._prompt_ids(parsed, prompt) for prompt in parsed.prompts]
+        self._check_named_tokens(parsed)
+        return parsed, prompts
 
     def _count_outcome(self, reqs: list[ClusterRequest], endpoint: str) -> None:
         """Every choice frees its admission slot when it closes; the HTTP request's
@@ -309,7 +322,9 @@ class OpenAIHandler:
     async def read_body(self, request: Request, model_cls):
         """An authorized request's body as `model_cls`, its `model` (if sent) checked."""
         self.authorize(request)
-        body = validate_body(model_cls, await read_json(request, self.settings.max_body_bytes))
+        settings = self.settings
+        raw = await read_json(request, settings.max_body_bytes, settings.read_timeout_s)
+        body = validate_body(model_cls, raw)
         if body.model is not None:
             self.check_model(body.model)
         return body
@@ -363,8 +378,10 @@ class OpenAIHandler:
         )
         check_token_ids(tokenizer, parsed.params.stop_token_ids, "stop_token_ids")
 
-    def _admit(self, count: int) -> None:
-        """Counts the request's choices from here until each closes (`_count_outcome`)."""
+    def _reserve(self) -> None:
+        """A provisional slot, taken before the body is read: a full or stopping server
+        refuses a request before it costs anything, and bodies in the reading count
+        against `max_in_flight` like the requests they become."""
         if self.drain.started:
             raise Drain.error()
         if self.health().status_code != 200:
@@ -373,13 +390,18 @@ class OpenAIHandler:
                 "no live workers to serve this request; retry shortly",
                 headers={"Retry-After": str(self.settings.retry_after_s)},
             )
-        if self.in_flight + count > self.settings.max_in_flight:
+        self._check_capacity(1)
+        self.preparing += 1
+
+    def _check_capacity(self, count: int, holding: int = 0) -> None:
+        """429 unless `count` more fit, besides the `holding` slots the caller has."""
+        taken = self.in_flight + self.preparing - holding
+        if taken + count > self.settings.max_in_flight:
             raise ApiError(
                 429,
-                f"server busy: {self.in_flight} requests in flight; retry shortly",
+                f"server busy: {taken} requests in flight; retry shortly",
                 headers={"Retry-After": str(self.settings.retry_after_s)},
             )
-        self.in_flight += count
 
     async def _chunks(self, req: ClusterRequest) -> AsyncIterator[GenerationChunk]:
         """The request's stream, with every failure turned into the ApiError to send."""
@@ -397,8 +419,12 @@ class OpenAIHandler:
             return ApiError(504, str(exc), kind="timeout")
         if isinstance(exc, RequestFailedError):
             status = STATUS_BY_KIND.get(exc.kind, 500)
+            if status < 500:
+                return ApiError(status, exc.message)
+            logger.warning("request %s failed (%s): %s", exc.request_id, exc.kind, exc.message)
+            message = PUBLIC_FAILURES.get(exc.kind, "internal error")
             headers = retry if status == 503 else None
-            return ApiError(status, exc.message, headers=headers)
+            return ApiError(status, f"{message} (request {exc.request_id})", headers=headers)
         logger.error("request failed", exc_info=exc)
         return ApiError(500, f"internal error: {type(exc).__name__}")
 
@@ -454,20 +480,27 @@ class OpenAIHandler:
         body.update(
             choices=[w.final() for w in writers],
             usage=self._usage(opened, writers),
-            pdserve_timings=writers[0].timings,
+            pdserve_timings=self._disclosed(writers[0].timings),
         )
         if len(writers) > 1:
-            body["pdserve_choice_timings"] = [w.timings for w in writers]
+            body["pdserve_choice_timings"] = [self._disclosed(w.timings) for w in writers]
         return body
+
+    def _disclosed(self, timings: dict) -> dict:
+        """`pdserve_timings` as this server discloses it (`enable_prompt_tokens_details`)."""
+        if self.settings.enable_prompt_tokens_details:
+            return timings
+        return {k: v for k, v in timings.items() if k not in DISCLOSED_ONLY_WITH_DETAILS}
 
     def _usage(self, opened: Opened, writers: list[ChoiceWriter]) -> dict:
         """Prompt tokens once per prompt (its n choices share it), completion tokens of
         every choice; cached tokens as the prompts' first choices found them."""
         leaders = opened.reqs[:: opened.parsed.n]
+        cached = sum(req.timeline.cached_tokens or 0 for req in leaders)
         return usage(
             sum(len(ids) for ids in opened.prompt_ids),
             sum(w.num_output_tokens for w in writers),
-            sum(req.timeline.cached_tokens or 0 for req in leaders),
+            cached if self.settings.enable_prompt_tokens_details else None,
         )
 
     async def _sse(self, opened: Opened, fanout: ChoiceFanout) -> AsyncIterator[str]:
@@ -484,7 +517,7 @@ class OpenAIHandler:
                 if parsed.continuous_usage:
                     body["usage"] = self._usage(opened, writers)
                 if chunk.finished:
-                    body["pdserve_timings"] = chunk.timings
+                    body["pdserve_timings"] = self._disclosed(chunk.timings)
                 yield format_sse_event(data_str=json.dumps(body))
             if parsed.include_usage:
                 totals = envelope(opened.request_id, parsed, final=False)
@@ -507,6 +540,12 @@ class Opened:
     """Token ids of each prompt (after the chat template)."""
     reqs: list[ClusterRequest]
     """Choice i answers prompt i // n."""
+
+
+def _check_bearer(request: Request, key: str) -> None:
+    sent = request.headers.get("authorization", "").encode("utf-8", "surrogateescape")
+    if not hmac.compare_digest(sent, f"Bearer {key}".encode()):
+        raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')")
 
 
 def _close_all(reqs: list[ClusterRequest], reason: str) -> None:

@@ -30,6 +30,7 @@ from cluster.openai_protocol import (
     check_sampling,
     max_tokens_of,
 )
+from cluster.request_body import MAX_JSON_DEPTH, json_depth
 from cluster.tools import ToolChoice, tool_grammar
 from engine.sampling_params import MAX_CACHE_SALT_CHARS, MAX_LOGPROBS, StructuredSpec
 
@@ -132,9 +133,14 @@ def message_dict(message) -> dict:
 
 def _template_call(call: dict) -> dict:
     function = dict(call.get("function") or {})
-    if isinstance(function.get("arguments"), str):
-        with contextlib.suppress(json.JSONDecodeError):
-            function["arguments"] = json.loads(function["arguments"])
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        with contextlib.suppress(json.JSONDecodeError, RecursionError):
+            parsed = json.loads(arguments)
+            # The template walks what it is given: arguments nested past the body's own
+            # bound stay the string they came as.
+            if json_depth(parsed) <= MAX_JSON_DEPTH:
+                function["arguments"] = parsed
     return {**call, "function": function}
 
 

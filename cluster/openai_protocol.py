@@ -1,22 +1,18 @@
 """OpenAI request bodies, validated: what real clients and benchmark tools send.
 
-`read_json` takes the raw body whatever its Content-Type (as vLLM does), bounds its
-size and nesting before parsing, and refuses text that cannot be encoded (a lone
-surrogate). Parsing turns the JSON into a `ParsedRequest` (prompt ids +
-SamplingParams) or raises `ApiError` with the status, message and offending parameter. Unknown fields
-are ignored like OpenAI does, except fields whose silent loss would change results
-(`best_of`, `audio`, ...), which are refused with a 400. The sampling side of a body
+The body arrives as JSON (cluster/request_body.py read it, bounded). Parsing turns it
+into a `ParsedRequest` (prompt ids + SamplingParams) or raises `ApiError` with the
+status, message and offending parameter. Unknown fields are ignored like OpenAI does,
+except fields whose silent loss would change results (`best_of`, `audio`, ...), which
+are refused with a 400. The sampling side of a body
 (penalties, logprobs, structured output, tool choice) is read by cluster/openai_params.py.
 """
 
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.sampling_params import MAX_TOKENS_LIMIT, SamplingParams
@@ -54,7 +50,9 @@ class ApiError(Exception):
 _KIND_BY_STATUS = {
     401: "authentication_error",
     404: "not_found_error",
+    408: "timeout",
     413: "request_too_large",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable",
 }
@@ -79,53 +77,8 @@ _UNSUPPORTED = {
 }
 """Fields whose silent loss would change results: refused with a 400 (best_of 1 is fine)."""
 
-MAX_JSON_DEPTH = 64
-"""Deepest nesting of arrays and objects a body may have (OpenAI bodies need ~6)."""
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512
-_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
-
-
-async def read_json(request, max_body_bytes: int) -> Any:
-    """The request's body as JSON, or ApiError 413/400."""
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > max_body_bytes:
-        raise ApiError(413, f"request body over {max_body_bytes} bytes")
-    raw = await request.body()
-    if len(raw) > max_body_bytes:
-        raise ApiError(413, f"request body over {max_body_bytes} bytes")
-    return parse_json(raw)
-
-
-def parse_json(raw: bytes) -> Any:
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ApiError(400, f"request body is not UTF-8: {exc}") from None
-    if json_depth(text) > MAX_JSON_DEPTH:
-        raise ApiError(400, f"request body nests deeper than {MAX_JSON_DEPTH} levels")
-    try:
-        body = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as exc:
-        raise ApiError(400, f"malformed JSON body: {exc}") from None
-    try:
-        json.dumps(body, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        raise ApiError(
-            400, "request body holds a string that is not valid Unicode (a lone surrogate)"
-        ) from None
-    return body
-
-
-def json_depth(text: str) -> int:
-    """Deepest bracket nesting outside strings, without parsing (so no recursion)."""
-    structure = _JSON_STRING.sub('""', text).encode("utf-8", "surrogatepass")
-    codes = np.frombuffer(structure, dtype=np.uint8)
-    if not codes.size:
-        return 0
-    steps = ((codes == ord("[")) | (codes == ord("{"))).astype(np.int32)
-    steps -= ((codes == ord("]")) | (codes == ord("}"))).astype(np.int32)
-    return int(np.cumsum(steps).max())
 
 
 MAX_CHOICES = 64

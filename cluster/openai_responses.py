@@ -231,13 +231,16 @@ def _finite(logprob: float) -> float:
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> dict:
-    """OpenAI's usage object; `cached_tokens`: prompt tokens served from a prefix cache."""
-    return {
+    """OpenAI's usage object; `cached_tokens`: prompt tokens served from a prefix cache,
+    or None to leave `prompt_tokens_details` out (the server does not disclose it)."""
+    body = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens or 0},
     }
+    if cached_tokens is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return body
 
 
 def envelope(request_id: str, parsed: ParsedRequest, final: bool) -> dict:

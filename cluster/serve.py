@@ -23,8 +23,7 @@ import socket
 
 from cluster.config import ClusterConfig
 from cluster.config_flags import add_config_flags, config_overrides
-from engine import envs
-from engine.tool_parsers import TOOL_PARSERS
+from cluster.frontend_settings import FrontendSettings
 
 logger = logging.getLogger(__name__)
 
@@ -53,15 +52,6 @@ def add_serve_parser(sub) -> None:
         help="HTTP port; 0 binds a free one and prints it (default: 8000)",
     )
     parser.add_argument(
-        "--api-key", default=None, help="require this bearer key (or PDSERVE_API_KEY)"
-    )
-    parser.add_argument(
-        "--max-in-flight",
-        type=int,
-        default=256,
-        help="requests admitted at once; past it, 429 with Retry-After (default: 256)",
-    )
-    parser.add_argument(
         "--drain-timeout-s",
         type=float,
         default=DRAIN_TIMEOUT_S,
@@ -69,22 +59,7 @@ def add_serve_parser(sub) -> None:
         "up to this many seconds, then cut the rest and stop (a second signal stops at once; "
         f"default: {DRAIN_TIMEOUT_S:g}, under Kubernetes' 30 s grace period)",
     )
-    parser.add_argument(
-        "--tool-call-parser",
-        default="hermes",
-        choices=["none", *TOOL_PARSERS],
-        help="how answers to chat requests with tool_choice 'auto' are read for tool calls: "
-        "'hermes' (<tool_call>{...}</tool_call> JSON blocks) or 'none' (plain content) "
-        "(default: hermes)",
-    )
-    parser.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=None,
-        metavar="NAME",
-        help="the names clients may give as 'model'; the first is the one /v1/models lists "
-        "(default: the model's own name, e.g. SmolLM2-135M-Instruct for demo)",
-    )
+    add_config_flags(parser, FrontendSettings)
     add_config_flags(parser, ClusterConfig, skip={"cluster_token"})
     parser.set_defaults(func=run_serve)
 
@@ -94,15 +69,11 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from cluster.frontend import FrontendSettings
-
     config = config_from_args(args)
-    settings = FrontendSettings(
-        api_key=args.api_key or envs.api_key(),
-        max_in_flight=args.max_in_flight,
-        tool_call_parser=args.tool_call_parser,
-        served_model_names=tuple(args.served_model_name or ()),
-    )
+    try:
+        settings = FrontendSettings.from_env(**config_overrides(args, FrontendSettings))
+    except ValueError as exc:
+        raise SystemExit(f"pdserve serve: {exc}") from None
     if args.host not in LOOPBACK_HOSTS and not settings.api_key:
         logger.warning(
             "serving on %s without an API key: anyone who can reach this address can use "
@@ -148,9 +119,10 @@ async def _serve(
     await cluster.start()
     try:
         app = build_app(cluster, settings)
-        server = _draining_server(app, drain_timeout_s)
+        server = _draining_server(app, settings, drain_timeout_s)
         name = app.state.handler.model_name
-        app.router.on_startup.append(lambda: _announce(host, port, name))
+        scheme = "https" if settings.ssl_certfile else "http"
+        app.router.on_startup.append(lambda: _announce(scheme, host, port, name))
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, server.request_exit)
@@ -160,13 +132,15 @@ async def _serve(
         await cluster.shutdown()
 
 
-def _draining_server(app, drain_timeout_s: float):
+def _draining_server(app, settings: FrontendSettings, drain_timeout_s: float):
     """uvicorn's server, told to stop by our signal handlers rather than its own (it
     re-raises SIGINT/SIGTERM after serving, which would kill this process before the
     workers and Ray are shut down). A first signal starts the frontend's drain and
     uvicorn's graceful shutdown (no new connections; it waits for the open ones); a
     second one cuts what runs at once."""
     import uvicorn
+
+    from cluster.http_protocol import bounded_protocol
 
     handler = app.state.handler
 
@@ -190,7 +164,15 @@ def _draining_server(app, drain_timeout_s: float):
             self.should_exit = True
 
     grace = drain_timeout_s + CUT_GRACE_S  # uvicorn's own cancel: a backstop to the cut
-    return Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=grace))
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        timeout_graceful_shutdown=grace,
+        http=bounded_protocol(settings.connection_limit, settings.read_timeout_s),
+        ssl_keyfile=settings.ssl_keyfile,
+        ssl_certfile=settings.ssl_certfile,
+    )
+    return Server(config)
 
 
 def _pools(config: ClusterConfig) -> str:
@@ -199,8 +181,8 @@ def _pools(config: ClusterConfig) -> str:
     return f"{config.prefill_workers} prefill + {config.decode_workers} decode worker(s), transport {config.transport}"
 
 
-def _announce(host: str, port: int, model_id: str) -> None:
-    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+def _announce(scheme: str, host: str, port: int, model_id: str) -> None:
+    url = f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
     print(f"pdserve listening on {url}  (metrics {url}/metrics, health {url}/health)", flush=True)
     print(
         f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "

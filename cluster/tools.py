@@ -144,7 +144,7 @@ class ToolCallReader:
 def _required_calls(text: str) -> list[ParsedToolCall]:
     try:
         items = json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return []
     if not isinstance(items, list):
         return []

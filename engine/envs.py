@@ -17,6 +17,12 @@ def api_key() -> str | None:
     return os.environ.get("PDSERVE_API_KEY") or None
 
 
+def admin_api_key() -> str | None:
+    """PDSERVE_ADMIN_API_KEY: when set, the frontend's /admin endpoints require
+    `Authorization: Bearer <key>`."""
+    return os.environ.get("PDSERVE_ADMIN_API_KEY") or None
+
+
 def cluster_token() -> str | None:
     """PDSERVE_CLUSTER_TOKEN: shared secret for worker-to-worker KV endpoints."""
     return os.environ.get("PDSERVE_CLUSTER_TOKEN") or None

@@ -80,7 +80,7 @@ class HermesToolParser:
 def _parse_call(body: str) -> ParsedToolCall | None:
     try:
         value = json.loads(body.strip())
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # not a call: too deep to be one
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None

@@ -64,7 +64,7 @@ def server(model_dir):
     args = [
         "--model", str(model_dir), "--dtype", "float32", "--transport", "shm",
         "--block-size", "8", "--decode-kv-blocks", "1200", "--max-model-len", "512",
-        "--health-interval-s", "0.2",
+        "--health-interval-s", "0.2", "--enable-prompt-tokens-details",
     ]  # fmt: skip
     process = ServerProcess(args)
     yield process

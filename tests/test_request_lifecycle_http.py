@@ -221,7 +221,9 @@ def test_good_streams_after_abandoned_ones_all_finish_in_full(server, model_id):
 # --- bodies that used to crash a handler ------------------------------------------------
 
 
-def test_json_sent_as_text_plain_is_served(server, model_id):
+def test_json_sent_as_text_plain_is_refused_with_415_and_the_connection_kept(server, model_id):
+    """A browser page may POST text/plain cross-origin without a preflight: such a body
+    must not run a generation (tests/test_frontend_hardening.py has the other types)."""
     with requests.Session() as session:
         r = session.post(
             f"{server.url}/v1/completions",
@@ -229,7 +231,9 @@ def test_json_sent_as_text_plain_is_served(server, model_id):
             headers={"Content-Type": "text/plain"},
             timeout=60,
         )
-        assert r.status_code == 200, r.text
+        assert r.status_code == 415, r.text
+        assert "application/json" in r.json()["error"]["message"]
+        r = session.post(f"{server.url}/v1/completions", json=body(model_id, 5, 3, False))
         assert r.json()["usage"]["completion_tokens"] == 3
 
 
