@@ -24,6 +24,9 @@ from collections.abc import AsyncIterator, Callable
 from cluster.request import ClusterRequest, GenerationChunk
 
 _DONE = object()
+MAX_QUEUED_CHUNKS = 64
+"""Chunks the merged stream holds for its reader; past it the choices wait, and the
+decode streams behind them fill up and hold their requests (cluster/decode_streams.py)."""
 _LEADER_READY_AFTER = 2
 """Chunks of the leader after which its KV is on the decode worker (the first comes
 from the prefill worker, the second from decode once the import landed)."""
@@ -43,6 +46,8 @@ class ChoiceFanout:
         self.run = run
         """`PDCluster.run`, or a wrapper that maps its errors (it closes each request)."""
         self._tasks: list[asyncio.Task] = []
+        self._room = asyncio.Event()
+        """Set whenever the reader takes a chunk: a choice waiting for room may go on."""
 
     async def stream(self) -> AsyncIterator[tuple[int, GenerationChunk]]:
         queue: asyncio.Queue = asyncio.Queue()
@@ -53,6 +58,7 @@ class ChoiceFanout:
         try:
             while remaining:
                 index, item = await queue.get()
+                self._room.set()
                 if item is _DONE:
                     remaining -= 1
                 elif isinstance(item, BaseException):
@@ -78,7 +84,10 @@ class ChoiceFanout:
         try:
             async for chunk in self.run(self.reqs[index]):
                 seen += 1
-                await queue.put((index, chunk))
+                while queue.qsize() >= MAX_QUEUED_CHUNKS:
+                    self._room.clear()
+                    await self._room.wait()
+                queue.put_nowait((index, chunk))
                 if on_ready is not None and (seen == _LEADER_READY_AFTER or chunk.finished):
                     on_ready, ready = None, on_ready
                     ready()

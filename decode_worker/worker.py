@@ -111,6 +111,13 @@ class DecodeWorker(EngineActor):
         with a finished TokenEvent, an ErrorEvent, or nothing after an abort."""
         self.channels.for_request(subscriber).forward(request.request_id, self._events(request))
 
+    async def hold(self, request_id: str, reader_behind: bool) -> None:
+        """Called by the driver's `DecodeStreams` when its queue of the request's events
+        filled up (True) and again once it drained (False): the engine holds the
+        sequence out of its batches meanwhile, so a slow reader slows its own stream
+        and no queue of its tokens grows."""
+        self._engine_loop().post(lambda engine: engine.hold(request_id, reader_behind))
+
     async def _events(
         self, request: DecodeRequest
     ) -> AsyncIterator[ImportEvent | TokenEvent | ErrorEvent]:

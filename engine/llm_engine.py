@@ -386,6 +386,17 @@ class LLMEngine:
         self._drop(seq, "abort")
         return True
 
+    def hold(self, request_id: str, reader_behind: bool) -> None:
+        """Called by a decode worker (on the engine thread) when the driver's queue of a
+        request's events filled up (True) or drained (False): backpressure from a slow
+        reader, applied at the next step. Unknown requests are ignored."""
+        seq = self.sequences.get(request_id)
+        if seq is None:
+            return
+        seq.reader_behind = reader_behind
+        if not reader_behind:
+            self.scheduler.resume(seq)
+
     def _remember_abort(self, request_id: str) -> None:
         self._aborted_ids[request_id] = None
         while len(self._aborted_ids) > _ABORTED_IDS_KEPT:

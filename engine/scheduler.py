@@ -8,6 +8,9 @@ Then seats in the batch (`max_num_seqs`) go to READY sequences, whose KV was imp
 and already sits in the pool, and then to WAITING ones, while blocks last. When a
 running sequence needs a block and none is free, the youngest running sequence is
 preempted: its blocks are freed and it waits to be recomputed, rather than failing.
+A sequence whose reader fell behind (`Sequence.reader_behind`) is held out of line,
+keeping its blocks until the reader catches up; should another sequence need blocks
+meanwhile, held sequences give theirs up first and are recomputed when they resume.
 
 Imports wait in their own queue for blocks (`reserve_imports`), FIFO, leaving one
 block of headroom per sequence that holds KV and will grow (running, READY, landing,
@@ -53,6 +56,8 @@ class Scheduler:
         """IMPORTING sequences still waiting for blocks."""
         self.landing: list[Sequence] = []
         """IMPORTING sequences whose blocks are reserved: their bytes are moving."""
+        self.held: list[Sequence] = []
+        """HELD sequences: their readers are behind (`hold_behind`, `resume`)."""
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
@@ -85,7 +90,7 @@ class Scheduler:
 
     def remove(self, seq: Sequence) -> None:
         """Take `seq` out of every queue and free its blocks: finish, abort, hand-off."""
-        for queue in (self.waiting, self.ready, self.importing):
+        for queue in (self.waiting, self.ready, self.importing, self.held):
             if seq in queue:
                 queue.remove(seq)
         self._landed(seq)
@@ -152,7 +157,42 @@ class Scheduler:
 
     # --- one step ---------------------------------------------------------------------
 
+    def hold_behind(self) -> None:
+        """Take every sequence whose reader is behind out of line (the engine calls this
+        before each step: the flag is set between steps, and a sequence that lands or
+        is seated later is caught at the next one)."""
+        for queue in (self.running, self.ready, self.waiting):
+            for seq in [s for s in queue if s.reader_behind]:
+                queue.remove(seq)
+                seq.status = SequenceStatus.HELD
+                self.held.append(seq)
+
+    def resume(self, seq: Sequence) -> None:
+        """Its reader caught up: back in line, to a seat with the KV it kept, or to be
+        recomputed if its blocks went to another sequence meanwhile."""
+        if seq not in self.held:
+            return
+        self.held.remove(seq)
+        if seq.num_computed_tokens:
+            self.add_ready(seq)
+        else:
+            self.add(seq)
+
+    def _evict_held(self) -> bool:
+        """Free the blocks of the held sequence last in line that has any; False if none
+        has. It is recomputed when it resumes."""
+        holding = [s for s in self.held if s.block_ids]
+        if not holding:
+            return False
+        seq = max(holding, key=_line)
+        self.release(seq)
+        seq.num_computed_tokens = 0
+        seq.num_published = 0
+        self.num_preemptions += 1
+        return True
+
     def schedule(self) -> list[ScheduledChunk]:
+        self.hold_behind()
         budget = self.config.max_batch_tokens
         chunks: list[ScheduledChunk] = []
         for seq in sorted(self.running, key=_line):
@@ -199,6 +239,8 @@ class Scheduler:
             held = len(hits) if fresh else len(seq.block_ids)
             extra = max(0, blocks_needed(start + num_new, self.config.block_size) - held)
             if not self.allocator.can_allocate(extra + self.allocator.num_parked(hits)):
+                if self._evict_held():
+                    continue
                 break
             queue.popleft()
             if fresh:
@@ -227,6 +269,8 @@ class Scheduler:
         """Make room for `num_new` more tokens of a running sequence, preempting if needed."""
         needed = self._missing_blocks(seq, num_new)
         while not self.allocator.can_allocate(needed):
+            if self._evict_held():
+                continue
             victim = self._youngest_running()
             self.preempt(victim)
             if victim is seq:

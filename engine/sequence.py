@@ -40,6 +40,8 @@ class SequenceStatus(enum.IntEnum):
     RUNNING = 3
     PREFILLED = 4
     FINISHED = 5
+    HELD = 6
+    """Out of every batch while its reader is behind (`Sequence.reader_behind`)."""
 
 
 @dataclass
@@ -66,6 +68,10 @@ class Sequence:
     """IMPORTING: tokens of KV the peer sends (the prompt)."""
     abort_requested: bool = False
     """IMPORTING with bytes landing: aborted, freed once the transfer stops writing."""
+    reader_behind: bool = False
+    """Whoever reads this sequence's tokens has not kept up (a slow streaming client):
+    the scheduler holds it out of every batch until the reader catches up, so a slow
+    reader slows its own stream and no queue of its tokens grows anywhere."""
     arrival_time: float = field(default_factory=clock.now)
     priority: float | None = None
     """Where the request stands in line: the time it reached the cluster, on the driver's
