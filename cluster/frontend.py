@@ -38,6 +38,7 @@ from cluster.metrics import ClusterMetrics
 from cluster.openai_protocol import ApiError, ParsedRequest, parse_body, read_json, validate_body
 from cluster.openai_responses import ChoiceWriter, EchoedPrompt, TokenNames, envelope, usage
 from cluster.request import ClusterRequest, GenerationChunk, RequestFailedError
+from cluster.request_limits import RequestLimits
 from cluster.router import NoLiveWorkerError
 from cluster.tokenize_api import (
     DetokenizeBody,
@@ -70,6 +71,8 @@ class FrontendSettings:
     """The names requests may give as `model`, the first one listed by /v1/models and
     echoed when a request names none. Empty: the model's own name and its --model
     argument."""
+    limits: RequestLimits = dataclasses.field(default_factory=RequestLimits)
+    """What one request may ask for (cluster/request_limits.py)."""
 
     def __post_init__(self) -> None:
         if self.max_body_bytes <= 0 or self.max_in_flight <= 0:
@@ -269,7 +272,8 @@ class OpenAIHandler:
         for client input."""
         try:
             self.authorize(request)
-            parsed = parse_body(kind, await read_json(request, self.settings.max_body_bytes))
+            body = await read_json(request, self.settings.max_body_bytes)
+            parsed = parse_body(kind, body, self.settings.limits)
             parsed = self._named(parsed)
             prompts = [self._prompt_ids(parsed, prompt) for prompt in parsed.prompts]
             self._check_named_tokens(parsed)

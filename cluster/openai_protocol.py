@@ -19,6 +19,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from cluster.request_limits import DEFAULT_LIMITS, RequestLimits
 from engine.sampling_params import MAX_TOKENS_LIMIT, SamplingParams
 
 
@@ -81,8 +82,6 @@ _UNSUPPORTED = {
 
 MAX_JSON_DEPTH = 64
 """Deepest nesting of arrays and objects a body may have (OpenAI bodies need ~6)."""
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 512
 _JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 
 
@@ -126,10 +125,6 @@ def json_depth(text: str) -> int:
     steps = ((codes == ord("[")) | (codes == ord("{"))).astype(np.int32)
     steps -= ((codes == ord("]")) | (codes == ord("}"))).astype(np.int32)
     return int(np.cumsum(steps).max())
-
-
-MAX_CHOICES = 64
-"""Most choices one request may fan out to (batched prompts x n)."""
 
 
 class StreamOptions(BaseModel):
@@ -299,7 +294,9 @@ class ParsedRequest:
         return len(self.prompts) * self.n
 
 
-def parse_body(kind: str, body: Any) -> ParsedRequest:
+def parse_body(kind: str, body: Any, limits: RequestLimits = DEFAULT_LIMITS) -> ParsedRequest:
+    """A completion or chat body as what the cluster runs, or ApiError; `limits` bound
+    what one request may ask for (the server's flags; a 400 names the one exceeded)."""
     from cluster.openai_params import request_of
 
     if not isinstance(body, dict):
@@ -307,7 +304,8 @@ def parse_body(kind: str, body: Any) -> ParsedRequest:
     for name, why in _UNSUPPORTED.items():
         if body.get(name) not in (None, False, 0, [], 1 if name == "best_of" else None):
             raise ApiError(400, why, param=name)
-    return request_of(kind, validate_body(ChatBody if kind == "chat" else CompletionBody, body))
+    parsed = validate_body(ChatBody if kind == "chat" else CompletionBody, body)
+    return request_of(kind, parsed, limits)
 
 
 def validate_body(model_cls: type[BaseModel], body: Any):

@@ -23,6 +23,7 @@ import socket
 
 from cluster.config import ClusterConfig
 from cluster.config_flags import add_config_flags, config_overrides
+from cluster.request_limits import add_limit_flags, limits_from_args
 from engine import envs
 from engine.tool_parsers import TOOL_PARSERS
 
@@ -86,6 +87,7 @@ def add_serve_parser(sub) -> None:
         "(default: the model's own name, e.g. SmolLM2-135M-Instruct for demo)",
     )
     add_config_flags(parser, ClusterConfig, skip={"cluster_token"})
+    add_limit_flags(parser)
     parser.set_defaults(func=run_serve)
 
 
@@ -102,6 +104,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_in_flight=args.max_in_flight,
         tool_call_parser=args.tool_call_parser,
         served_model_names=tuple(args.served_model_name or ()),
+        limits=limits_from_args(args),
     )
     if args.host not in LOOPBACK_HOSTS and not settings.api_key:
         logger.warning(
