@@ -296,7 +296,7 @@ class OpenAIHandler:
     def _parse(self, kind: str, body) -> tuple[ParsedRequest, list[list[int]]]:
         """On a worker thread: validation (grammars compiled), the chat template and
         tokenization, whose cost grows with the body."""
-        parsed = self._named(parse_body(kind, body))
+        parsed = self._named(parse_body(kind, body, self.settings.limits))
         prompts = [self._prompt_ids(parsed, prompt) for prompt in parsed.prompts]
         self._check_named_tokens(parsed)
         return parsed, prompts

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cluster.request_limits import RequestLimits
 from engine import envs
 from engine.tool_parsers import TOOL_PARSERS
 
@@ -51,6 +52,8 @@ class FrontendSettings:
     """The names requests may give as `model`, the first one listed by /v1/models and
     echoed when a request names none. Empty: the model's own name and its --model
     argument."""
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    """What one request may ask for (cluster/request_limits.py, flags of their own)."""
 
     def __post_init__(self) -> None:
         if self.max_body_bytes <= 0 or self.max_in_flight <= 0 or self.read_timeout_s <= 0:

@@ -11,6 +11,9 @@ so every mistake is a 400 naming its parameter:
       `structured_outputs`, and the constraint a tool choice implies (cluster/tools.py);
       at most one of them, checked by compiling the grammar (engine/structured.py)
     batched prompts (completions) and `n` -> `ParsedRequest.prompts` and `.n`.
+What one request may ask for is bounded by the server's `RequestLimits`
+(cluster/request_limits.py): choices, stop strings, stop token ids (duplicates folded
+first) and logit_bias entries.
 """
 
 from __future__ import annotations
@@ -20,9 +23,6 @@ import json
 
 from cluster.openai_protocol import (
     DEFAULT_MAX_TOKENS,
-    MAX_CHOICES,
-    MAX_STOP_CHARS,
-    MAX_STOP_STRINGS,
     ApiError,
     ChatBody,
     ParsedRequest,
@@ -31,15 +31,19 @@ from cluster.openai_protocol import (
     max_tokens_of,
 )
 from cluster.request_body import MAX_JSON_DEPTH, json_depth
+from cluster.request_limits import RequestLimits
 from cluster.tools import ToolChoice, tool_grammar
 from engine.sampling_params import MAX_CACHE_SALT_CHARS, MAX_LOGPROBS, StructuredSpec
 
 
-def request_of(kind: str, parsed) -> ParsedRequest:
+def request_of(kind: str, parsed, limits: RequestLimits) -> ParsedRequest:
     prompts = _prompts_of(kind, parsed)
-    if not 1 <= parsed.n <= MAX_CHOICES or len(prompts) * parsed.n > MAX_CHOICES:
+    most = limits.max_choices
+    if not 1 <= parsed.n <= most or len(prompts) * parsed.n > most:
         raise ApiError(
-            400, f"n x prompts must be between 1 and {MAX_CHOICES}, got n={parsed.n}", param="n"
+            400,
+            f"n x prompts must be between 1 and {most}, got n={parsed.n} x {len(prompts)} prompts",
+            param="n",
         )
     tools, choice = _tools_of(parsed) if kind == "chat" else (None, None)
     logprobs, prompt_logprobs = _logprobs_of(kind, parsed)
@@ -50,7 +54,7 @@ def request_of(kind: str, parsed) -> ParsedRequest:
         prompt_logprobs=prompt_logprobs,
         logprobs=logprobs,
         structured=_structured_of(parsed, tools, choice),
-        **_sampling_fields(parsed),
+        **_sampling_fields(parsed, limits),
     )
     options = parsed.stream_options or StreamOptions()
     return ParsedRequest(
@@ -144,14 +148,16 @@ def _template_call(call: dict) -> dict:
     return {**call, "function": function}
 
 
-def _sampling_fields(parsed) -> dict:
+def _sampling_fields(parsed, limits: RequestLimits) -> dict:
     stop = parsed.stop
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stops):
+    if len(stops) > limits.max_stop_strings or any(
+        len(s) > limits.max_stop_string_chars for s in stops
+    ):
         raise ApiError(
             400,
-            f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} "
-            "characters each",
+            f"stop takes at most {limits.max_stop_strings} strings of at most "
+            f"{limits.max_stop_string_chars} characters each",
             param="stop",
         )
     salt = parsed.cache_salt
@@ -179,19 +185,35 @@ def _sampling_fields(parsed) -> dict:
         presence_penalty=parsed.presence_penalty,
         frequency_penalty=parsed.frequency_penalty,
         repetition_penalty=parsed.repetition_penalty,
-        logit_bias=_logit_bias(parsed.logit_bias),
-        stop_token_ids=tuple(parsed.stop_token_ids or ()),
+        logit_bias=_logit_bias(parsed.logit_bias, limits.max_logit_bias_entries),
+        stop_token_ids=_stop_token_ids(parsed.stop_token_ids, limits.max_stop_token_ids),
         cache_salt=salt,
     )
 
 
-def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+def _logit_bias(bias: dict[str, float] | None, most: int) -> tuple[tuple[int, float], ...]:
+    if bias and len(bias) > most:
+        raise ApiError(
+            400, f"logit_bias maps at most {most} token ids, got {len(bias)}", param="logit_bias"
+        )
     pairs = []
     for key, value in (bias or {}).items():
         if not key.lstrip("-").isdigit():
             raise ApiError(400, f"logit_bias keys are token ids, got {key!r}", param="logit_bias")
         pairs.append((int(key), max(-100.0, min(100.0, float(value)))))
     return tuple(pairs)
+
+
+def _stop_token_ids(token_ids: list[int] | None, most: int) -> tuple[int, ...]:
+    """The distinct ids in the order sent: a repeated id stops no differently."""
+    distinct = tuple(dict.fromkeys(token_ids or ()))
+    if len(distinct) > most:
+        raise ApiError(
+            400,
+            f"stop_token_ids takes at most {most} distinct ids, got {len(distinct)}",
+            param="stop_token_ids",
+        )
+    return distinct
 
 
 def _logprobs_of(kind: str, parsed) -> tuple[int | None, int | None]:

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from cluster.request_limits import DEFAULT_LIMITS, RequestLimits
 from engine.sampling_params import MAX_TOKENS_LIMIT, SamplingParams
 
 
@@ -76,13 +77,6 @@ _UNSUPPORTED = {
     "truncate_prompt_tokens": "truncate_prompt_tokens is not supported: send the prompt to keep",
 }
 """Fields whose silent loss would change results: refused with a 400 (best_of 1 is fine)."""
-
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 512
-
-
-MAX_CHOICES = 64
-"""Most choices one request may fan out to (batched prompts x n)."""
 
 
 class StreamOptions(BaseModel):
@@ -252,7 +246,9 @@ class ParsedRequest:
         return len(self.prompts) * self.n
 
 
-def parse_body(kind: str, body: Any) -> ParsedRequest:
+def parse_body(kind: str, body: Any, limits: RequestLimits = DEFAULT_LIMITS) -> ParsedRequest:
+    """A completion or chat body as what the cluster runs, or ApiError; `limits` bound
+    what one request may ask for (the server's flags; a 400 names the one exceeded)."""
     from cluster.openai_params import request_of
 
     if not isinstance(body, dict):
@@ -260,7 +256,8 @@ def parse_body(kind: str, body: Any) -> ParsedRequest:
     for name, why in _UNSUPPORTED.items():
         if body.get(name) not in (None, False, 0, [], 1 if name == "best_of" else None):
             raise ApiError(400, why, param=name)
-    return request_of(kind, validate_body(ChatBody if kind == "chat" else CompletionBody, body))
+    parsed = validate_body(ChatBody if kind == "chat" else CompletionBody, body)
+    return request_of(kind, parsed, limits)
 
 
 def validate_body(model_cls: type[BaseModel], body: Any):

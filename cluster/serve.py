@@ -24,6 +24,7 @@ import socket
 from cluster.config import ClusterConfig
 from cluster.config_flags import add_config_flags, config_overrides
 from cluster.frontend_settings import FrontendSettings
+from cluster.request_limits import add_limit_flags, limits_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +60,9 @@ def add_serve_parser(sub) -> None:
         "up to this many seconds, then cut the rest and stop (a second signal stops at once; "
         f"default: {DRAIN_TIMEOUT_S:g}, under Kubernetes' 30 s grace period)",
     )
-    add_config_flags(parser, FrontendSettings)
+    add_config_flags(parser, FrontendSettings, skip={"limits"})
     add_config_flags(parser, ClusterConfig, skip={"cluster_token"})
+    add_limit_flags(parser)
     parser.set_defaults(func=run_serve)
 
 
@@ -71,7 +73,9 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
 def run_serve(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     try:
-        settings = FrontendSettings.from_env(**config_overrides(args, FrontendSettings))
+        settings = FrontendSettings.from_env(
+            **config_overrides(args, FrontendSettings), limits=limits_from_args(args)
+        )
     except ValueError as exc:
         raise SystemExit(f"pdserve serve: {exc}") from None
     if args.host not in LOOPBACK_HOSTS and not settings.api_key:

@@ -52,6 +52,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceOutput, SequenceStatus
+from engine.shaping_state import TokenCounts
 from engine.structured import GrammarCompiler
 from engine.threads import single_threaded
 from engine.tokenizer import Tokenizer
@@ -496,7 +497,14 @@ class LLMEngine:
                 sizes[size] = sizes.get(size, 0) + 1
 
     def _history(self, seq: Sequence) -> RowHistory:
-        return RowHistory(seq.prompt_token_ids, seq.output_token_ids, self.tokenizer.eos_token_ids)
+        if seq.params.penalized and seq.token_counts is None:
+            seq.token_counts = TokenCounts()
+        return RowHistory(
+            seq.prompt_token_ids,
+            seq.output_token_ids,
+            self.tokenizer.eos_token_ids,
+            seq.token_counts,
+        )
 
     def _append_token(
         self, seq: Sequence, token_id: int, logprobs: TokenLogprobs | None = None

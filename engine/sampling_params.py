@@ -9,14 +9,16 @@ top-k/top-p truncation; then top-k, top-p and the draw (engine/sampler.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
 
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_LOGPROBS = 20
 """Most alternatives a request may ask per position (OpenAI's own limit)."""
 MAX_CACHE_SALT_CHARS = 1024
 
+T = TypeVar("T")
 StructuredKind = Literal["json_schema", "json_object", "regex", "choice", "lark"]
 
 
@@ -147,6 +149,21 @@ class SamplingParams:
         return bool(
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
         )
+
+    def derived(self, key: Hashable, build: Callable[[], T]) -> T:
+        """What `build()` makes of these params, made once per `key` and kept with them.
+        The sampler keeps the tensors it derives from the bias and stop ids here
+        (engine/shaping_state.py), so every sequence sharing this object shares them and
+        no step rebuilds them. Kept out of equality, `dataclasses.replace` and pickles."""
+        cache = self.__dict__.setdefault("_derived", {})
+        if key not in cache:
+            cache[key] = build()
+        return cache[key]
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_derived", None)
+        return state
 
     def shapes_logits(self, num_output_tokens: int) -> bool:
         """Whether anything changes this row's logits before the draw at this position

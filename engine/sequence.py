@@ -30,6 +30,7 @@ from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.logprobs import PromptLogprobs, TokenLogprobs
+    from engine.shaping_state import TokenCounts
     from engine.structured import Guide
 
 
@@ -90,6 +91,9 @@ class Sequence:
     tokens wherever the sequence is created (engine/structured.py)."""
     prompt_logprobs: PromptLogprobs | None = None
     """Prompt logprobs being computed here (`echo`), sent with the first token."""
+    token_counts: TokenCounts | None = None
+    """A penalized sequence's output counts in this engine, counted as its tokens are
+    decided; from its whole history at its first step here (engine/shaping_state.py)."""
 
     @property
     def order(self) -> float:
