@@ -165,8 +165,9 @@ def test_the_frontend_parses_with_its_settings_limits():
     """A body the default limits take is refused under the server's lower ones: the
     frontend hands its `FrontendSettings.limits` to the parser. (A cluster that is never
     reached: the body is refused before anything else happens.)"""
+    live = SimpleNamespace(live=lambda role: ["w"] if role == "colocated" else [])
     cluster = SimpleNamespace(
-        on_finish=[], model_id="m", config=SimpleNamespace(model="m"), tokenizer=None
+        on_finish=[], model_id="m", config=SimpleNamespace(model="m"), tokenizer=None, router=live
     )
     app = build_app(cluster, FrontendSettings(limits=SMALL), ClusterMetrics())
 
