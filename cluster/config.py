@@ -29,6 +29,9 @@ COLOCATED_CPU_STEP_TOKENS = 1024
 DECODE_SIDE_PREFILL_CPU_STEP_TOKENS = 256
 """Default step cap of a CPU decode worker under `disaggregation: auto`
 (`ClusterConfig.decode_step_tokens`)."""
+UNDRAWN_TOKEN = "drawn-at-cluster-start"
+"""Stands in for an unset `cluster_token` when the transport options are validated
+before the cluster draws the real one (it never reaches a worker)."""
 
 
 class ConfigError(ValueError):
@@ -196,7 +199,9 @@ class ClusterConfig(ModelSettings):
                 f"and decode workers are separate processes; use one of "
                 f"{sorted(CROSS_PROCESS_TRANSPORTS)}"
             )
-        self.kv_transport_options()
+        # Without a cluster_token here the cluster draws one before any worker starts
+        # (`PDCluster`): validate the options as the workers will get them, with one.
+        self.kv_transport_options(token=self.cluster_token or UNDRAWN_TOKEN)
 
     def check_pools(self, max_model_len: int) -> None:
         """Called by the cluster once the model's context is known: every pool must hold
@@ -279,16 +284,17 @@ class ClusterConfig(ModelSettings):
             return self.prefill_batch_tokens
         return self.max_batch_tokens if self.device != "cpu" else self.prefill_chunk_size
 
-    def kv_transport_options(self):
+    def kv_transport_options(self, token: str | None = None):
         """The validated `kv_transfer.TransportOptions` every prefill and decode worker
         gets (each worker fills in its own node's address where its servers bind every
-        interface, see `WorkerSpec.transport_options_on`)."""
+        interface, see `WorkerSpec.transport_options_on`); `token` stands in for an
+        unset `cluster_token` (validation before the cluster draws one)."""
         from kv_transfer.config import FaultOptions, TransportOptions
 
         settings = {
             "lease_ttl_s": self.lease_ttl_s,
             "timeout_s": self.transfer_timeout_s,
-            "token": self.cluster_token or "",
+            "token": self.cluster_token or token or "",
         }
         settings.update(self.transport_options)
         if isinstance(settings.get("faults"), dict):

@@ -13,6 +13,8 @@ import logging
 import threading
 import time
 from abc import abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import replace
 
 from engine.kv_cache import KVCachePool
@@ -33,25 +35,58 @@ from kv_transfer.stats import ReceiverStats, bump
 logger = logging.getLogger(__name__)
 
 
+CANCEL_MEMORY_S = 600.0
+"""How long a cancelled request id is remembered: a cancel that arrives after its fetch
+ended (nothing clears it then) is forgotten after this."""
+CANCEL_MEMORY_IDS = 4096
+"""Most cancelled ids remembered at once; past it the oldest are forgotten first."""
+
+
 class _Cancellations:
     """Fetches whose request was aborted while their bytes were moving. Every transport
     waits through `remaining`, which fails a cancelled fetch at its next piece or wait,
-    so the destination blocks are released within a piece's time, not at the timeout."""
+    so the destination blocks are released within a piece's time, not at the timeout.
+    A fetch clears its id when it ends; ids nothing clears age out (`ttl_s`, `max_ids`)."""
 
-    def __init__(self) -> None:
-        self._ids: set[str] = set()
+    def __init__(
+        self,
+        ttl_s: float = CANCEL_MEMORY_S,
+        max_ids: int = CANCEL_MEMORY_IDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._ids: OrderedDict[str, float] = OrderedDict()
+        """request id -> when it was cancelled, oldest first."""
+        self._ttl_s = ttl_s
+        self._max_ids = max_ids
+        self._clock = clock
         self._lock = threading.Lock()
 
     def cancel(self, request_id: str) -> None:
         with self._lock:
-            self._ids.add(request_id)
+            now = self._clock()
+            self._ids.pop(request_id, None)
+            self._ids[request_id] = now
+            self._forget_old(now)
+
+    def _forget_old(self, now: float) -> None:
+        while self._ids:
+            oldest, since = next(iter(self._ids.items()))
+            if len(self._ids) <= self._max_ids and now - since < self._ttl_s:
+                return
+            del self._ids[oldest]
 
     def clear(self, request_id: str) -> None:
         with self._lock:
-            self._ids.discard(request_id)
+            self._ids.pop(request_id, None)
 
     def __contains__(self, request_id: str) -> bool:
-        return request_id in self._ids
+        since = self._ids.get(request_id)  # one dict read: no lock on the per-piece path
+        return since is not None and self._clock() - since < self._ttl_s
+
+    def __len__(self) -> int:
+        with self._lock:
+            self._forget_old(self._clock())
+            return len(self._ids)
 
 
 CANCELLED_FETCHES = _Cancellations()

@@ -16,6 +16,14 @@ pairs. Lifecycle of a pair and of one transfer:
     ... later fetches reuse the pair ...
     any failure: both ends drop the pair (group aborted, connection closed); the next
     fetch builds a fresh one. The connection closing is how a sender sees a dead peer.
+
+What is protected: the control connection carries the cluster token and speaks TLS
+when `tls_certfile` is set. What is not: the store listens on `bind_host` in plaintext
+and checks no token (whoever reaches it can read and overwrite the pairs' rendezvous
+keys, i.e. spoil or redirect a pair's set-up), and gloo/NCCL move the KV bytes in
+plaintext between the addresses the pair's devices bind (`dial_host` on each side).
+Checksums from the ticket (which travels over Ray, not this wire) catch altered bytes,
+not read ones: keep these ports inside the cluster's network.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from kv_transfer.control import (
 )
 from kv_transfer.faults import DropTransfer, FaultPlan
 from kv_transfer.integrity import BlockVerifier
+from kv_transfer.listeners import bind_listener
 from kv_transfer.receiver import TransportReceiver, fail, remaining
 from kv_transfer.sender import RegistrySender
 from kv_transfer.shaping import Shaper
@@ -70,6 +79,28 @@ def make_pair_group(
     return dist.ProcessGroupGloo(pair_store, rank, 2, options)
 
 
+def listening_store(host: str, timeout_s: float) -> dist.TCPStore:
+    """The sender's rendezvous store, listening on `host` only. Given a host name alone,
+    torch's store listens on every interface; here it gets a socket already bound to
+    `host` (and owns it from then on: the store closes it)."""
+    listener = bind_listener(host)
+    try:
+        store = dist.TCPStore(
+            host,
+            listener.getsockname()[1],
+            None,
+            True,
+            timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+            master_listen_fd=listener.fileno(),
+        )
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()
+    return store
+
+
 def drop_group(group) -> None:
     """Abort a pair's group so nothing pending on it can ever match a later transfer."""
     try:
@@ -84,17 +115,8 @@ class CollectiveServer:
     def __init__(self, sender: RegistrySender):
         self.sender = sender
         self.options = sender.options
-        self.store = dist.TCPStore(
-            self.options.bind_host,
-            0,
-            None,
-            True,
-            timedelta(seconds=self.options.timeout_s),
-            wait_for_workers=False,
-        )
-        self.control = ControlServer(
-            self.options.bind_host, self.options.token, self._serve_pair, "kv-collective"
-        )
+        self.store = listening_store(self.options.bind_host, self.options.timeout_s)
+        self.control = ControlServer(self.options, self._serve_pair, "kv-collective")
         self.piece_bytes = self._shaper().piece_bytes(self.options.chunk_bytes)
         """Fixed by the options; in the endpoint, so receivers post receives with a fetch."""
 
@@ -121,7 +143,7 @@ class CollectiveServer:
             self.store,
             prefix,
             SENDER_RANK,
-            self.options.bind_host,
+            self.options.dial_host,
             self.sender.pool.kv.device,
             self.options.timeout_s,
         )
@@ -235,7 +257,7 @@ class CollectiveReceiver(TransportReceiver):
         (host, port), (store_host, store_port) = info["control"], info["store"]
         timeout = remaining(deadline, ticket)
         try:
-            conn = ControlConnection(host, port, self.options.token, timeout)
+            conn = ControlConnection(host, port, self.options, timeout)
             reply = conn.call({"op": "pair", "receiver": self.worker_id}, timeout)
         except (ChannelClosed, OSError) as exc:
             raise fail(ticket, FailureReason.PEER_DIED, f"control unreachable: {exc}") from None
@@ -248,7 +270,7 @@ class CollectiveReceiver(TransportReceiver):
                 store,
                 reply["prefix"],
                 RECEIVER_RANK,
-                self.options.bind_host,
+                self.options.dial_host,
                 self.pool.kv.device,
                 timeout,
             )
@@ -323,7 +345,7 @@ class CollectiveReceiver(TransportReceiver):
         """Tell a dead sender from a dropped or timed-out transfer after a wait failed."""
         host, port = ticket.sender_endpoint["collective"]["control"]
         text = str(exc).lower()
-        if not responsive(host, port, self.options.token):
+        if not responsive(host, port, self.options):
             reason = FailureReason.PEER_DIED
         elif isinstance(exc, TimeoutError) or "timed out" in text or "timeout" in text:
             reason = FailureReason.TIMEOUT

@@ -1,16 +1,19 @@
 """`grpc`: KV blocks streamed over the `KVTransfer` service of proto/kv_transfer.proto.
 
 The sender starts a gRPC server at worker start, bound to `bind_host` (loopback by
-default) with message limits set. Per transfer the receiver calls `Fetch` with its
-destination block ids and the cluster token in metadata; the server marks the export
-TRANSFERRING and streams `chunk`s (pacing, faults and lease heartbeats in between),
-then `done`; any refusal travels in the stream as `error`. A stream that ends without
-`done` is a drop; a sender that vanished is UNAVAILABLE. No pickle on this wire.
+default), speaking TLS when `tls_certfile` is set, with message limits set: chunks go
+out up to `max_message_bytes`, requests come in up to `REQUEST_BYTES`. Per transfer
+the receiver calls `Fetch` with its destination block ids and the cluster token in
+metadata; a call without the token is refused UNAUTHENTICATED from its metadata alone,
+before its request is read (`_TokenCheck`), and at most `max_connections` calls are
+held at once. The server marks the export TRANSFERRING and streams `chunk`s (pacing,
+faults and lease heartbeats in between), then `done`; any refusal travels in the stream
+as `error`. A stream that ends without `done` is a drop; a sender that vanished is
+UNAVAILABLE. No pickle on this wire.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 import threading
 from concurrent import futures
@@ -24,11 +27,13 @@ from engine.kv_cache import KVCachePool
 from kv_transfer.base import ExportTicket, FailureReason
 from kv_transfer.blockio import PoolBytes, plan_pieces, requested_blocks, total_bytes
 from kv_transfer.config import TransportOptions
+from kv_transfer.control import token_matches
 from kv_transfer.faults import DropTransfer, FaultPlan
 from kv_transfer.integrity import BlockVerifier
 from kv_transfer.receiver import TransportReceiver, fail, remaining
 from kv_transfer.sender import RegistrySender
 from kv_transfer.shaping import Shaper
+from kv_transfer.tls import read_pem
 from kv_transfer.transports.grpc_wire import deserialize_response, encode_chunk, serialize_response
 from proto import kv_transfer_pb2 as pb
 from proto import kv_transfer_pb2_grpc as pb_grpc
@@ -40,6 +45,10 @@ MESSAGE_BYTES = 1 << 20
 """Largest chunk per message, below `chunk_bytes`: Python gRPC moves 1 MiB messages
 25-60% faster than 4 MiB ones here (bigger messages stall the one-in-flight writer)."""
 SERVICE = "pdserve.kv_transfer.KVTransfer"
+REQUEST_BYTES = 1 << 20
+"""Largest request the server reads: a Fetch lists its destination block ids (a few
+bytes each: 1 MiB holds 200k), a Heartbeat names one request."""
+SERVER_THREADS = 8
 
 _STATUS_REASONS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: FailureReason.TIMEOUT,
@@ -50,23 +59,53 @@ _STATUS_REASONS = {
 
 
 def server_channel_options(options: TransportOptions) -> list[tuple[str, int]]:
-    """Message limits, for the sender's server (and under the receiver's channel)."""
+    """Message limits of the sender's server: chunks out, small requests in."""
     return [
         ("grpc.max_send_message_length", options.max_message_bytes),
-        ("grpc.max_receive_message_length", options.max_message_bytes),
+        ("grpc.max_receive_message_length", REQUEST_BYTES),
     ]
 
 
-def client_channel_options(options: TransportOptions) -> list[tuple[str, int]]:
-    """The receiver's channel: the server's limits, and `Fetch` streams read on the
-    calling thread. grpcio otherwise starts a thread per call to drive the stream (the
-    channel's spin thread, when no other call is active): a 1 MiB fetch took 4-10% less
-    without it (2026-12-06, Zen 3), and the bare grpcio ceiling of `pdserve bench
-    transfer` reads its stream the same way."""
-    return [
-        *server_channel_options(options),
+def client_channel_options(options: TransportOptions) -> list[tuple[str, int | str]]:
+    """The receiver's channel: the server's limits mirrored, the name TLS checks the
+    server's certificate for (when not the dialled address), and `Fetch` streams read
+    on the calling thread. grpcio otherwise starts a thread per call to drive the stream
+    (the channel's spin thread, when no other call is active): a 1 MiB fetch took 4-10%
+    less without it, and the bare grpcio ceiling of `pdserve bench transfer` reads its
+    stream the same way."""
+    channel_options: list[tuple[str, int | str]] = [
+        ("grpc.max_send_message_length", REQUEST_BYTES),
+        ("grpc.max_receive_message_length", options.max_message_bytes),
         (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
     ]
+    if options.tls_enabled and options.tls_server_name:
+        channel_options.append(("grpc.ssl_target_name_override", options.tls_server_name))
+    return channel_options
+
+
+def _refuse(request_iterator, context) -> None:
+    """Ends an unauthenticated call without reading its request (a streamed request is
+    read only as the handler iterates it, and this one never does)."""
+    context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")
+
+
+_REFUSED = grpc.stream_unary_rpc_method_handler(_refuse)
+
+
+class _TokenCheck(grpc.ServerInterceptor):
+    """Checks the cluster token in a call's metadata before any handler runs."""
+
+    def __init__(self, token: str):
+        self._token = token.encode("utf-8", "surrogatepass")
+
+    def intercept_service(self, continuation, handler_call_details):
+        presented = ""
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == TOKEN_KEY:
+                presented = value
+        if token_matches(presented, self._token):
+            return continuation(handler_call_details)
+        return _REFUSED
 
 
 class _Servicer(pb_grpc.KVTransferServicer):
@@ -75,17 +114,12 @@ class _Servicer(pb_grpc.KVTransferServicer):
         self.options = sender.options
         self._pool_bytes = PoolBytes()
 
-    def _authorize(self, context) -> None:
-        token = dict(context.invocation_metadata()).get(TOKEN_KEY, "")
-        if not hmac.compare_digest(str(token), self.options.token):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")
+    # Calls reach these methods only past `_TokenCheck`.
 
     def Heartbeat(self, request, context):
-        self._authorize(context)
         return pb.HeartbeatReply(alive=self.sender.heartbeat(request.request_id))
 
     def Fetch(self, request, context):
-        self._authorize(context)
         record = self.sender.registry.begin_transfer(request.request_id)
         if record is None:
             yield _error(FailureReason.UNKNOWN_REQUEST, "export is gone (acked, expired, aborted)")
@@ -167,20 +201,33 @@ class GrpcServer:
         options = sender.options
         self.host = options.dial_host
         self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-grpc"),
+            futures.ThreadPoolExecutor(max_workers=SERVER_THREADS, thread_name_prefix="kv-grpc"),
+            handlers=(_handlers(_Servicer(sender)),),
+            interceptors=(_TokenCheck(options.token),),
             options=server_channel_options(options),
+            maximum_concurrent_rpcs=options.max_connections,
         )
-        self.server.add_generic_rpc_handlers((_handlers(_Servicer(sender)),))
-        self.port = self.server.add_insecure_port(f"{options.bind_host}:0")
+        address = f"{_host_for_address(options.bind_host)}:0"
+        if options.tls_enabled:
+            key_and_cert = (read_pem(options.tls_keyfile), read_pem(options.tls_certfile))
+            credentials = grpc.ssl_server_credentials([key_and_cert])
+            self.port = self.server.add_secure_port(address, credentials)
+        else:
+            self.port = self.server.add_insecure_port(address)
         if not self.port:
             raise OSError(f"could not bind the gRPC KV server on {options.bind_host}")
         self.server.start()
 
     def endpoint(self) -> dict:
-        return {"grpc": {"address": f"{self.host}:{self.port}"}}
+        return {"grpc": {"address": f"{_host_for_address(self.host)}:{self.port}"}}
 
     def close(self) -> None:
         self.server.stop(grace=None)
+
+
+def _host_for_address(host: str) -> str:
+    """`host` as the host part of a gRPC address (an IPv6 address goes in brackets)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def make_grpc_sender(worker_id: str, pool: KVCachePool, options: TransportOptions):
@@ -221,11 +268,16 @@ class GrpcReceiver(TransportReceiver):
         with self._lock:
             channel = self._channels.get(info["address"])
             if channel is None:
-                channel = grpc.insecure_channel(
-                    info["address"], options=client_channel_options(self.options)
-                )
+                channel = self._open_channel(info["address"])
                 self._channels[info["address"]] = channel
         return channel
+
+    def _open_channel(self, address: str) -> grpc.Channel:
+        channel_options = client_channel_options(self.options)
+        if not self.options.tls_enabled:
+            return grpc.insecure_channel(address, options=channel_options)
+        credentials = grpc.ssl_channel_credentials(read_pem(self.options.tls_ca_file))
+        return grpc.secure_channel(address, credentials, options=channel_options)
 
     def _pull(
         self,

@@ -169,9 +169,7 @@ class ShmServer:
         self.table_path = stem + TABLE_SUFFIX
         self.table = ExportTable.create(self.table_path, pool.num_blocks, pool.layout.block_nbytes)
         sender.registry.listen(self.table)
-        self.control = ControlServer(
-            options.bind_host, options.token, self._handle, f"kv-shm-{sender.worker_id}"
-        )
+        self.control = ControlServer(options, self._handle, f"kv-shm-{sender.worker_id}")
 
     def endpoint(self) -> dict:
         pool = self.sender.pool
@@ -286,7 +284,7 @@ class ShmReceiver(TransportReceiver):
                 return idle.pop()
         try:
             return ControlConnection(
-                *self._address(ticket), self.options.token, remaining(deadline, ticket)
+                *self._address(ticket), self.options, remaining(deadline, ticket)
             )
         except OSError as exc:
             raise fail(ticket, FailureReason.PEER_DIED, f"control unreachable: {exc}") from None
@@ -319,7 +317,7 @@ class ShmReceiver(TransportReceiver):
         host, port = self._address(ticket)
         reason = (
             FailureReason.DROPPED
-            if responsive(host, port, self.options.token)
+            if responsive(host, port, self.options)
             else FailureReason.PEER_DIED
         )
         return fail(ticket, reason, f"control channel lost on {op}: {exc}")
