@@ -61,7 +61,7 @@ def client_channel_options(options: TransportOptions) -> list[tuple[str, int]]:
     """The receiver's channel: the server's limits, and `Fetch` streams read on the
     calling thread. grpcio otherwise starts a thread per call to drive the stream (the
     channel's spin thread, when no other call is active): a 1 MiB fetch took 4-10% less
-    without it (2026-12-06, Zen 3), and the bare grpcio ceiling of `pdserve bench
+    without it, and the bare grpcio ceiling of `pdserve bench
     transfer` reads its stream the same way."""
     return [
         *server_channel_options(options),
