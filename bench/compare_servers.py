@@ -24,16 +24,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
 import os
+import shlex
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import requests
 
-from bench.report import machine_info
+from bench.report import machine_info, source_commit
 from bench.serve_bench import add_run_args, add_workload_args, expand_points, run_points
 from bench.server_process import ServerProcess, free_port
 
@@ -265,6 +268,13 @@ def add_compare_servers_parser(kinds) -> None:
         "repeats' min-max and the ratio against vLLM",
     )
     parser.add_argument(
+        "--kind",
+        default=None,
+        metavar="LABEL",
+        help="the machine kind's name saved with the sitting (e.g. 'AVX2, 2 cores'), the "
+        "title `pdserve bench report` gives its table (default: the CPU's model name)",
+    )
+    parser.add_argument(
         "--from-json",
         default=None,
         metavar="JSON",
@@ -287,7 +297,7 @@ def _run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--servers: {exc}") from None
     args.api_key, args.model = None, None
     maker = PromptMaker.from_arg(args.tokenizer)
-    report = {"machine": None, "servers": [], "failed": []}
+    report = {"sitting": sitting_header(args), "machine": None, "servers": [], "failed": []}
     for server in servers:
         try:
             report["servers"].append(asyncio.run(measure(server, args, maker)))
@@ -300,6 +310,20 @@ def _run(args: argparse.Namespace) -> int:
                 json.dump(report, handle, indent=2)
     code = _report(report, args.plot)
     return 1 if report["failed"] else code
+
+
+def sitting_header(args: argparse.Namespace) -> dict:
+    """What `pdserve bench report` names a saved sitting by besides its machine: the
+    machine kind's label (--kind), the dtype, the day, the commit and the exact command."""
+    return {
+        "kind": args.kind,
+        "dtype": args.dtype,
+        "date": datetime.date.today().isoformat(),
+        "commit": source_commit(),
+        "command": shlex.join(["pdserve", *sys.argv[1:]]),
+        "repeats": args.repeats,
+        "source": "written by pdserve bench compare-servers --json",
+    }
 
 
 def _report(report: dict, plot_path: str | None) -> int:

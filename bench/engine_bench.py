@@ -189,7 +189,7 @@ def _map_pool(engine: LLMEngine) -> None:
     """Map every page of the KV pool before timing, as a server's warming thread does
     from its start (`EngineLoop._warm_pool`): otherwise the first write to each page
     falls in a timed step (~8 ms, in the first layer's KV store, of each 256-token
-    prefill into blocks never used before, Zen 3)."""
+    prefill into blocks never used before)."""
     while engine.kv_pool.prefault(PREFAULT_STEP_BYTES):
         pass
 

@@ -1,6 +1,6 @@
 """What the engines' own measured rates allow a closed-loop workload to reach.
 
-Issue 19's yardstick for the serving path: after a run, each worker's step trace
+The yardstick for the serving path: after a run, each worker's step trace
 (`/admin/steps`) is fitted as step seconds = fixed + per prefill token x tokens + per
 decode sequence x sequences (least squares over every step, mixed ones included), and
 the output tokens/s the fitted engines could sustain for the workload (prompt P,

@@ -148,8 +148,8 @@ class ReadProbe:
     """A read-only pass (sum) over a tensor much larger than the last-level cache, kept
     so that it can be timed again and again (between two decode steps, say). It lies on
     huge pages, as the weights and the KV pool it is the roofline of do
-    (engine/host_memory.py): on 4 KiB pages the same pass read ~10% slower on the Zen 3
-    EPYC, which would flatter every step measured against it."""
+    (engine/host_memory.py): on 4 KiB pages the same pass reads ~10% slower, which would
+    flatter every step measured against it."""
 
     def __init__(self, num_bytes: int = 256 << 20):
         import torch
@@ -188,11 +188,37 @@ def matmul_flops(dtype, n: int = 1536, repeats: int = 3) -> float:
 
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo (what every recorded figure names)."""
+    return _first_cpuinfo_fields().get("model name") or platform.processor() or platform.machine()
+
+
+VECTOR_FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+"""The CPU flags the native kernels dispatch on, recorded with every saved sitting."""
+
+
+def cpu_identity() -> dict:
+    """What lscpu names the CPU by: model name, family and model number, and which of
+    VECTOR_FEATURES it has. A virtual machine's model name is often only the vendor's
+    product line; family and model then tell its generations apart."""
+    fields = _first_cpuinfo_fields()
+    flags = set(fields.get("flags", "").split())
+    return {
+        "cpu_model": cpu_model(),
+        "cpu_family": fields.get("cpu family"),
+        "cpu_model_number": fields.get("model"),
+        "vector_features": [name for name in VECTOR_FEATURES if name in flags],
+    }
+
+
+def _first_cpuinfo_fields() -> dict[str, str]:
+    """The first processor's `key: value` lines of /proc/cpuinfo ({} where there is none)."""
+    fields = {}
     try:
         with open("/proc/cpuinfo") as handle:
             for line in handle:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return fields

@@ -20,10 +20,12 @@ import datetime
 import json
 import os
 import platform
+import subprocess
 import sys
 from dataclasses import asdict
+from pathlib import Path
 
-from bench.hardware import cpu_model
+from bench.hardware import cpu_identity
 from bench.loadgen import RequestRecord
 from bench.server_metrics import CPU_FIGURES, worker_cpu_s
 from bench.stats import spread
@@ -61,9 +63,27 @@ def tool_version() -> str:
         return "unknown"
 
 
+def source_commit() -> str | None:
+    """The short hash of the checkout this code runs from, with "+changes" when its
+    tracked files differ from that commit; None outside a git checkout."""
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*words: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", str(root), *words], capture_output=True, text=True)
+
+    try:
+        head = git("rev-parse", "--short=7", "HEAD")
+        changed = git("diff", "--quiet", "HEAD", "--").returncode != 0
+    except OSError:
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+changes" if changed else "")
+
+
 def machine_info() -> dict:
     return {
-        "cpu_model": cpu_model(),
+        **cpu_identity(),
         "logical_cpus": os.cpu_count(),
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "platform": platform.platform(),

@@ -277,7 +277,7 @@ class BareGloo:
     precedes another (the ack). Timed back to back instead, the pair's threads never
     sleep between transfers, a regime no fetch runs in: 1 MiB took 0.31 ms that way
     against 0.48-0.50 ms after a round trip, and 16 MiB moved at 5.7 GB/s against
-    3.5-3.7 (EPYC-AVX2, docs/kv_transfer.md). `seconds(ticket)` times one transfer of as
+    3.5-3.7. `seconds(ticket)` times one transfer of as
     many bytes as the ticket's blocks (the collective's paired ceiling, timed in turn
     with each fetch), `seconds_for(size)` any size up to `max_size`."""
 

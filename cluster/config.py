@@ -59,7 +59,7 @@ class ClusterConfig(ModelSettings):
     cores and keep the frontend and Ray's own processes on the cores no worker has, or
     else on the decode workers', off the prefill workers', which set the pace under load
     (cluster/core_plan.py). On 2 cores at 16 streams it served 6-8% more; at one stream
-    the decode worker shares its core and TPOT rose ~3 ms (docs/benchmarks.md). Nothing
+    the decode worker shares its core and TPOT rose ~3 ms. Nothing
     is pinned on GPU pools, a joined Ray cluster, with warm spares, or with more worker
     threads than cores."""
     gpus_per_worker: float = 0.0
@@ -74,15 +74,15 @@ class ClusterConfig(ModelSettings):
     prefill worker (its prefill is compute-bound from a few hundred tokens on, so a
     bigger step only holds back every first token in it) and 1024 for a colocated one
     (fewer mixed steps stall the running streams: at 16 streams it traded TTFT, which
-    vLLM leaves higher, for TPOT and throughput; docs/benchmarks.md, issue 19)."""
+    vLLM leaves higher, for TPOT and throughput)."""
     decode_batch_tokens: int | None = None
     """Step budget of decode workers (tokens) in disaggregated mode. None:
     `max_batch_tokens`, except on CPUs under `disaggregation: auto`, where it is 256 (and
     the decode worker's prompt pieces no longer than that): a prompt the decode worker
     prefills itself rides in its decode steps and delays every stream in them, and a
-    piece takes ~1.5 ms per token on one core. At 16 streams on the Zen 4 EPYC (1 + 1
-    workers, bf16) `auto` served 0.94x vLLM with an ITL p99 of 490 ms at 256, 0.96x with
-    789 ms at 512 (colocated: 792 ms); `always` served 0.72x (docs/benchmarks.md)."""
+    piece takes ~1.5 ms per token on one core. At 16 streams (1 + 1 workers on 2 cores,
+    bf16) `auto` served 0.94x vLLM with an ITL p99 of 490 ms at 256, 0.96x with 789 ms
+    at 512 (colocated: 792 ms); `always` served 0.72x."""
     transport: TransportName = "auto"
     """KV transport: `auto` (shm on one node, collective across nodes), shm, collective, grpc, local."""
     transport_options: dict = field(default_factory=dict)
@@ -256,8 +256,8 @@ class ClusterConfig(ModelSettings):
         """The step cap of a colocated CPU worker. One engine runs both phases, so each
         step's prefill stalls every stream in it; but a wave of prompts spread over many
         half-size steps stalls them more often, for the same prefill work. At 16 streams
-        on the Zen 4 EPYC (bf16, 256 in / 64 out) a cap of 512 served 1.03x vLLM with
-        TPOT 1.15x and TTFT 0.58x; 1024 served 1.16x, TPOT 0.90x, TTFT 0.79x."""
+        (bf16, 256 in / 64 out) a cap of 512 served 1.03x vLLM with TPOT 1.15x and TTFT
+        0.58x; 1024 served 1.16x, TPOT 0.90x, TTFT 0.79x."""
         if self.prefill_batch_tokens is not None:
             return self.prefill_batch_tokens
         return COLOCATED_CPU_STEP_TOKENS

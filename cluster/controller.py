@@ -90,7 +90,7 @@ class Controller:
         head's other processes onto the cores left to them (cluster/core_plan.py); the
         processes the raylet starts later inherit them, unless a worker's cores are in
         their environment. Not before: with Ray's start on one core of two, a 1 + 1 demo
-        cluster answered first after 21.1 s, against 14.1 s on both (docs/benchmarks.md)."""
+        cluster answered first after 21.1 s, against 14.1 s on both."""
         if self.core_plan is None:
             return
         workers = self.worker_pids()

@@ -2,14 +2,13 @@
 
 With nothing pinned, the frontend, the Ray driver and Ray's own processes run on
 whichever core is free, and on a small node that is often a prefill worker's: at 16
-streams on the 2-core Zen 3 EPYC (1 + 1 workers, 256-token prompts) the prefill worker
-had 91% of a core and set the pace, while the decode worker, whose steps have time to
-spare, had all of its own. So each worker gets its own cores, prefill workers first,
-and the rest of the cluster the cores no worker has, or failing those the decode
-workers'. In two sittings beside vLLM that served 6-8% more at 16 streams; at one
-stream, where the prefill core idles between prompts, the decode worker's core is
-shared and its TPOT rose from ~28.5 to ~32 ms. Pinning the workers alone, the rest
-left on every core, lost at 16 streams and at one (docs/benchmarks.md).
+streams on 2 cores (1 + 1 workers, 256-token prompts) the prefill worker had 91% of a
+core and set the pace, while the decode worker, whose steps have time to spare, had all
+of its own. So each worker gets its own cores, prefill workers first, and the rest of
+the cluster the cores no worker has, or failing those the decode workers'. That served
+6-8% more at 16 streams; at one stream, where the prefill core idles between prompts,
+the decode worker's core is shared and its TPOT rose from ~28.5 to ~32 ms. Pinning the
+workers alone, the rest left on every core, lost at 16 streams and at one.
 
 The controller makes the plan when it starts Ray itself (`Controller.init_ray`) and
 puts each worker's cores in its `WorkerSpec` and its process's environment; the

@@ -2,7 +2,7 @@
 no Ray address is given, and starts it again when Ray's own start stalls.
 
 Two stalls have been seen on the 2-core machine, each about once in a few hundred starts
-(test suites, 2026-12-06): a GCS that published no port and wrote no log, and a raylet
+(test suites): a GCS that published no port and wrote no log, and a raylet
 that was spawned but never wrote a log nor registered with the GCS (still unregistered
 two minutes later, so not slow but stuck). Waiting longer mends neither; a new head
 does. Ray leaves the stalled head's processes running when its start raises, so they

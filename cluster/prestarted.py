@@ -1,9 +1,9 @@
 """Worker processes started ahead of need, so that a restart skips the process start.
 
 A worker's restart is mostly its process's start: Ray starts a Python worker, which
-imports torch, transformers and the engine, 3-4 s of a core on the 2-core EPYC, while
-building the engine over the memory-mapped weight cache takes ~0.2 s
-(docs/benchmarks.md, issue 12). A prestarted process has done the first part and
+imports torch, transformers and the engine (3-4 s of a core for the demo model), while
+building the engine over the memory-mapped weight cache takes ~0.2 s. A prestarted
+process has done the first part and
 waits with nothing built (no weights mapped, no KV pool). When a worker dies, the
 controller's restart takes one of its role (`take`) and activates it as the dead
 worker's next generation; a new one is started `standby_restart_delay_s` later

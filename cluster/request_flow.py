@@ -73,8 +73,8 @@ REBUILD_REMOTE_MARGIN = 2.0
 """How much sooner the policy must predict a stream's rebuild on a prefill worker than on
 its new decode worker. The remote path has hops the model leaves out (the prefill call,
 the export, the import handshake) and runs right after a death, while the replacement
-starts: with ~15-token prompts on the 2-core EPYC, streams rebuilt remotely resumed no
-sooner than recomputed ones (docs/benchmarks.md, "Reprefill")."""
+starts: with ~15-token prompts on a 2-core machine, streams rebuilt remotely resumed no
+sooner than recomputed ones."""
 _PREFILL_ON_DECODE = "prefill_on_decode"
 """`_prefill_on_some_worker`'s answer when the request is to be prefilled where it decodes."""
 

@@ -148,8 +148,8 @@ class EngineLoop:
         """Map the KV pool's pages ahead of the steps that will write them, on cores
         nobody else wants: this thread runs at SCHED_IDLE, so it takes no CPU from the
         engine, another worker or a restart. A fresh pool's first-touch faults otherwise
-        fall in steps: ~15 ms of a 256-token prefill's ~120 on the AVX-512 EPYC (bf16),
-        every request until the pool has been written once."""
+        fall in steps (~15 ms of a ~120 ms 256-token bf16 prefill), for every request
+        until the pool has been written once."""
         with contextlib.suppress(AttributeError, OSError):
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         while self.running and self.engine.kv_pool.prefault(PREFAULT_STEP_BYTES):

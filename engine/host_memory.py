@@ -2,10 +2,9 @@
 
 A decode step reads every weight and every KV block it attends to. On 4 KiB pages each
 4 KiB of that stream is a TLB miss and a restart of the hardware prefetcher; on 2 MiB
-pages it is one in 512. Measured on the Zen 3 EPYC (docs/benchmarks.md): weights mapped
-from the page cache vs the same bytes in anonymous huge pages, a batch-1 float32 step of
-the demo model 17.5 vs 15.8 ms; a KV import copying into 4 KiB pages ran at ~0.6 of the
-same copy into huge pages.
+pages it is one in 512. Weights mapped from the page cache against the same bytes in
+anonymous huge pages: a batch-1 float32 step of the demo model 17.5 against 15.8 ms; a
+KV import copying into 4 KiB pages ran at ~0.6 of the same copy into huge pages.
 
 Huge pages are asked for with madvise, which works where the kernel's THP mode is
 `always` or `madvise` (most distributions); elsewhere the memory is ordinary pages.

@@ -1,9 +1,9 @@
 """The projection used by every layer: y = x @ W^T (+ b), picked per batch shape.
 
 On CPU, BLAS sgemm is 1.5-3x slower for a short, wide activation (x of a few rows)
-as the left operand than for the same product computed as (W @ x^T)^T, measured on
-this project's machines (docs/benchmarks.md). Decode batches are exactly that shape,
-so small float32 batches take the transposed route; prefill-sized batches keep F.linear.
+as the left operand than for the same product computed as (W @ x^T)^T. Decode batches
+are exactly that shape, so small float32 batches take the transposed route;
+prefill-sized batches keep F.linear.
 bf16 goes to oneDNN (AMX where the CPU has it), where F.linear is as fast or faster at
 every decode batch size we measured.
 """

@@ -1,7 +1,7 @@
 """What the hardware under this process can do fast; used to resolve `dtype: auto`.
 
 `auto` is bfloat16 on GPUs and float32 on CPUs. On an AMX CPU bfloat16 is 2.4-2.9x
-faster at batch and prefill (docs/benchmarks.md), but greedy output then strays from
+faster at batch and prefill, but greedy output then strays from
 transformers' float32 reference wherever the top two logits nearly tie, and the demo
 model's "What is the capital of France?" is such a tie (fp32 margin 0.08 logit; in
 bf16 it answers "L'Etoile..." instead of "Paris"). Exactness is the default; bf16 is

@@ -13,8 +13,8 @@ Lifecycle of a constrained request:
     -> the sampled token is accepted; when the grammar can take nothing more (`done`)
        the request finishes with "stop".
 
-The grammar engine is llguidance: on this CPU (docs/benchmarks.md, `python -m
-bench.structured_bench`) its tokenizer set-up and grammar compile are far cheaper
+The grammar engine is llguidance: measured by `python -m bench.structured_bench`, its
+tokenizer set-up and grammar compile are far cheaper
 than xgrammar's and a mask costs about the same; it needs no torch kernel of its own.
 The tokenizer view it needs (~1 s to build at a 49k vocabulary) is built once per
 engine, at the first constrained request.

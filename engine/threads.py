@@ -5,8 +5,8 @@ decode step, more operation by operation). On a quiet machine two threads beat o
 but when anything else wants a core (the HTTP frontend, a Ray driver, a prefill
 worker, another tenant), a thread preempted mid-phase holds its partner at the next
 barrier for up to a scheduler slice, and two threads end up far slower than one
-(measured on the 2-core EPYC with other jobs on the machine: median decode step 34 ms
-on one thread, 711 ms on two; prefill 300 vs 123 tok/s). So `LlamaForward` asks
+(with other jobs on a 2-core machine, a median decode step took 34 ms on one thread and
+711 ms on two). So `LlamaForward` asks
 `pick` before each CPU step and reports the step's wall time to `record`; per kind of
 step and size bucket it keeps a moving average per thread count (the first step of a
 kind, cold, is not counted), runs the faster one, and tries the other now and then,
@@ -14,8 +14,8 @@ less often each time it loses again. A kind starts on all threads; a try of more
 threads comes only when other processes left the cores mostly idle meanwhile, of fewer
 only when they kept some busy (or, once, when the step is short). A try is
 TRIAL_STEPS steps judged by their median: one slow step (a page fault, a burst of the
-frontend) once put a served engine's mixed prefill steps on one thread for seconds
-(docs/benchmarks.md). The native kernels split work by the batch, never by the threads,
+frontend) would otherwise put a served engine's mixed prefill steps on one thread for
+seconds. The native kernels split work by the batch, never by the threads,
 so switching changes timing only; torch's own ops may round differently on another
 thread count.
 """
@@ -41,17 +41,17 @@ BUSY_CORES_FOR_RETRY = 0.5
 """A retry of fewer threads waits until other processes kept about this many cores busy
 meanwhile. Fewer threads win only when something else wants the cores; on cores left
 free the count that won keeps winning, and its retries were the dearest steps of a
-served run: a 500-token mixed step on one thread took 780 ms against 462 on two, three
-of them per try (Zen 4 EPYC, docs/benchmarks.md)."""
+served run (a 500-token mixed step on one thread took 780 ms against 462 on two, three
+of them per try)."""
 TRIAL_STEPS = 3
 """Steps of a thread count's try; their median is its new average."""
 CHEAP_TRY_S = 0.06
 """A kind of step this short on its first count has fewer threads tried once even on
 cores nobody else wants: a tiny step may gain less from a second thread than its
 barriers cost, and finding out costs a few ms. A longer one tries fewer threads only
-under load, like every retry: on a quiet Zen 4 EPYC a fresh server's first tries of one
+under load, like every retry: on a quiet machine a fresh server's first tries of one
 thread cost 3 x 156 ms (256-token mixed steps) and 3 x 310 ms (500-token ones), about
-6% of a 16-stream run, and one thread won no kind of step (docs/benchmarks.md)."""
+6% of a 16-stream run, and one thread won no kind of step."""
 
 
 @contextmanager
@@ -65,8 +65,8 @@ def single_threaded() -> Iterator[None]:
     more than the CPUs; past that every barrier sleeps in the kernel. An engine loaded on
     two threads and stepped on another thread thus made three managed threads on a
     2-core machine, and each of a decode step's ~180 barriers a futex round trip: 20.6
-    against 12.1 ms per batch-1 bf16 step (Xeon-AMX, docs/benchmarks.md). So only the
-    stepping thread runs parallel regions."""
+    against 12.1 ms per batch-1 bf16 step. So only the stepping thread runs parallel
+    regions."""
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -7,8 +7,8 @@ prepared tensors are saved once in one file, each tensor aligned for the kernels
 later loads map it and make one copy, from the page cache (shared by the workers of a
 machine) into the worker's own anonymous memory on transparent huge pages
 (engine/host_memory.py). Stepped from the file's mapping, the demo model's batch-1
-float32 step took 10% longer on the Zen 3 EPYC: every 4 KiB of the weight stream was a
-TLB miss and a new start for the hardware prefetcher.
+float32 step took 10% longer: every 4 KiB of the weight stream was a TLB miss and a new
+start for the hardware prefetcher.
 
 The file is keyed by what the prepared tensors depend on: the checkpoint files
 (path, size, mtime), config.json, the dtype, the ops' packed layout and `FORMAT`.

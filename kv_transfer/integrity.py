@@ -50,7 +50,7 @@ def checksum(data: np.ndarray, algo: str) -> int:
 CACHE_STEP = 1 << 20
 """Bytes copied, then summed, at a time by `copy_piece`: what was just written is still
 in one core's L2 (1-2 MiB on the CPUs we run on). Smaller steps lose more to handing
-the GIL between copy lanes than they gain in cache hits (docs/kv_transfer.md, runs F)."""
+the GIL between copy lanes than they gain in cache hits."""
 
 
 @functools.cache

@@ -9,7 +9,7 @@ Lifecycle of a request here:
        `export_prefilled` hands the blocks to the KV sender under a lease (an abort
        cannot slip in between; a failed export frees them). Exporting from the
        event loop instead let the next step start first, so a batch's first tokens
-       waited for the next batch's whole prefill (docs/benchmarks.md)
+       waited for the next batch's whole prefill
     -> the ticket goes back to the caller, which hands it to a decode worker
     -> ack (decode imported them), abort, or lease expiry returns the blocks.
 `abort()` ends the request at any of these points: queued, prefilling, exported.

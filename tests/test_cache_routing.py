@@ -139,7 +139,7 @@ def test_the_next_turn_of_a_conversation_finds_its_decode_worker():
 
 
 def measured_costs(fixed_s=0.08, per_token_s=0.004):
-    """A prefill worker's fit from its own step trace (demo model, one EPYC core)."""
+    """A prefill worker's fit from its own step trace (demo model, one CPU core)."""
     trace = [StepRecord(0.0, fixed_s + per_token_s * n, 0, 1, n) for n in (16, 64, 256, 512, 512)]
     return fit_step_costs(trace)
 

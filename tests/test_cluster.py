@@ -298,7 +298,7 @@ def test_a_head_whose_gcs_never_publishes_its_port_is_started_again(monkeypatch)
 
 
 def test_a_head_whose_raylet_never_registers_is_started_again():
-    """A raylet that never registers with its GCS (CI, 2026-12-06: no log written, still
+    """A raylet that never registers with its GCS (seen in CI: no log written, still
     unregistered two minutes on) makes Ray's start raise after its fixed 30 s, with the
     GCS and raylet running; those are killed and a new head started. Here the lookup of
     the node in the GCS raises Ray's own error at once, from inside the same wait."""

@@ -90,6 +90,9 @@ def test_a_server_that_fails_does_not_lose_the_others(monkeypatch, tmp_path, cap
         json=str(out),
         from_json=None,
         plot=None,
+        kind=None,
+        dtype="auto",
+        repeats=1,
     )
     assert compare._run(args) == 1
     printed = capsys.readouterr().out

@@ -14,13 +14,13 @@
  * layers, one thread: 28-31 ms with a pass over all keys then one over all values,
  * 18-22 ms this way. Issued in bursts (a share per head before its scores), the
  * prefetches filled the core's miss buffers and stalled the arithmetic behind them:
- * 16 x 272 tokens took 19.9 ms on one Zen 3 thread that way, 16.3 trickled.
+ * 16 x 272 tokens took 19.9 ms on one thread that way, 16.3 trickled.
  * With fewer than MIN_ITEMS sequences, a sequence's blocks are split into spans whose
  * partial results (peak, sum, weighted values) are merged: a power of two of them, so
  * that they share out evenly over a team of two or four, each at least MIN_SPAN_BLOCKS
  * long, since a span's first block comes in unprefetched and its partial result costs a
  * merge. At batch 1 and ~270 tokens (17 blocks), two spans of nine blocks took a
- * tenth off the attention of a Zen 3 step in place (0.72-0.73 against 0.78-0.87 ms over
+ * tenth off the attention of a step in place (0.72-0.73 against 0.78-0.87 ms over
  * 30 layers, alternated in one process), against six spans of three (eight planned).
  * Eight-wide vectors whatever the ISA: head dims are multiples of 8 and the score
  * reduction is written for 8.

@@ -35,9 +35,9 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
 
 
 def vector_width() -> int:
-    """Floats per vector the kernels are built for. On the AVX-512 EPYC (Zen 5) a
+    """Floats per vector the kernels are built for. On a CPU with AVX-512F a
     512-token prefill's projections ran at 360 GFLOP/s on 16 lanes against 170-210 on 8
-    (docs/benchmarks.md, issue 19). Where the CPU has no AVX-512F, a 16-float build
+    on two cores. Where the CPU has no AVX-512F, a 16-float build
     still runs (GCC splits each vector into two ymm) but slower, and without the bf16
     kernels: the tests build it there to check both widths give the same bits."""
     return kernel_vector_width() or (16 if "avx512f" in cpu_flags() else 8)

@@ -51,7 +51,7 @@ static const uint8_t k_secret[XXH_SECRET_SIZE] = {
  * 1 KiB block. With AVX-512 GCC lowers the generic vector code to one zmm. AVX2 has
  * its own intrinsics: from the generic code GCC emitted a full 64x64-bit multiply
  * (three vpmuludq and shifts) and spilled both halves to the stack, which hashed at
- * 10 GB/s where the xxhash package reaches 40 on the Zen 3 EPYC. */
+ * 10 GB/s where the xxhash package reaches 40. */
 #if defined(__AVX2__) && !defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -231,8 +231,8 @@ static inline uint64_t copy_hash_long(const uint8_t *src, uint8_t *dst, int64_t 
  * Where every block starts 64-byte aligned (pool pages, whole-stripe blocks), the copy
  * uses non-temporal stores: an imported block is next read by a decode step, which
  * streams it along with the weights, so caching it now only costs reading each
- * destination line before it is written. On the Zen 3 EPYC an shm fetch of 16 to 256 MiB
- * on 2 lanes took 21-29% less time (docs/kv_transfer.md). */
+ * destination line before it is written. An shm fetch of 16 to 256 MiB
+ * on 2 lanes took 21-29% less time. */
 int pd_copy_xxh3_blocks(const uint8_t *src, uint8_t *dst, int64_t block_nbytes, int64_t count,
                         uint64_t *out) {
   if (block_nbytes <= XXH_MIDSIZE_MAX) return -1;

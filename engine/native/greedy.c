@@ -6,7 +6,7 @@
  * Why here: numpy's argmax over a batch-1 step's logits ran on caches the step's weight
  * stream had just flushed (~100 us cold, 5 us warm). With it here and the step's inputs
  * passed as plain ints (engine/native/decode_step.py), the Python around a batch-1 step
- * went from 540-640 to 250-290 us on the Zen 3 EPYC.
+ * went from 540-640 to 250-290 us.
  */
 #include "native.h"
 

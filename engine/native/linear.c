@@ -7,7 +7,7 @@
  * shares (a one-row projection: each thread's own copy); bias and the residual add are
  * the epilogue.
  *
- * Why our own: on the AVX2 EPYC machines this project runs on, MKL's sgemm streamed a
+ * Why our own: on AVX2 CPUs, MKL's sgemm streamed a
  * decode step's weights at ~11 GB/s, under half the read bandwidth, and repacks the
  * weight on every small-batch call.
  */
@@ -84,10 +84,10 @@ static void tail_strip(const float *x, long ldx, long M, long K, const float *ws
  * chains (even and odd k, summed at the end): memory-bound. Every column sums in that
  * order, whatever the strip width, the strips grouped together or their split over
  * threads. Each strip's stream is prefetched into L2 GEMV_PF_AHEAD floats ahead: 8 KiB
- * over two strips made a float32 batch-1 decode step 10-17% shorter on the Zen 4 EPYC
+ * over two strips made a float32 batch-1 decode step 10-17% shorter
  * (A/B in one process, both orders; 4 KiB ahead gained 7%). Over four strips, 4 KiB
- * each (the same 16 KiB in flight per thread) was 1.4-1.6% faster than 8 KiB on the
- * Zen 3 EPYC, and 2 KiB the same as 4. */
+ * each (the same 16 KiB in flight per thread) was 1.4-1.6% faster than 8 KiB,
+ * and 2 KiB the same as 4. */
 static inline __attribute__((always_inline)) void gemv_group(int NS, const float *x,
                                                              const float *ws, long K,
                                                              const float *bias, float *y,
@@ -122,9 +122,9 @@ static inline __attribute__((always_inline)) void gemv_group(int NS, const float
 }
 
 /* A thread's strips [s0, s1), GEMV_STRIPS at a time: four weight streams per core kept
- * more reads in flight than two. A batch-1 float32 step of the demo model on the Zen 3
- * EPYC took 3.7-7% less at four than at two (step-interleaved A/B in one process, three
- * sittings), 2.7-5% less at three or six; eight spilled the accumulators (+5%). */
+ * more reads in flight than two. A batch-1 float32 step of the demo model
+ * took 3.7-7% less at four than at two (step-interleaved A/B in one process, three
+ * runs), 2.7-5% less at three or six; eight spilled the accumulators (+5%). */
 static void gemv_strips(const float *x, const float *w, long K, long s0, long s1,
                         const float *bias, float *y, int accumulate) {
   for (long s = s0; s < s1;) {
@@ -143,7 +143,7 @@ static void gemv_strips(const float *x, const float *w, long K, long s0, long s1
  * row: NS strips streamed at once, each prefetched as in gemv_group, every row against
  * every weight vector loaded. Each column sums as tile() sums it (from y when
  * accumulating, else 0, k in order, the bias last), so a row's values do not depend on
- * the path its batch took. Decode steps of the demo model on the Zen 3 EPYC (float32,
+ * the path its batch took. Decode steps of the demo model (float32,
  * 2 threads, step-interleaved A/B against the tiles, which stream one strip a piece at a
  * time): batch 2 19% shorter, 3 and 4 9-10%. One strip at a time was slower than the
  * tiles at 4 rows (+4%). */
@@ -209,7 +209,7 @@ static inline long next_piece_lines(long K, long k0, long kc) {
 }
 
 /* Rows in panels of about MC_BYTES of input, so that a panel stays in L2 while every
- * strip of the weight streams past it (prefill: thousands of rows). A quarter of a Zen 3
+ * strip of the weight streams past it (prefill: thousands of rows). A quarter of a
  * core's 512 KiB L2: a panel that filled it spilled to the shared L3, where the decode
  * worker's weight stream on the other core evicts it. With such a neighbour, a prefill
  * worker's thread ran 2-3% faster at 128 KiB than at 512 (alternated in one process;
@@ -233,7 +233,7 @@ static void gemm_strips(const float *x, long ldx, long M, long K, const float *w
         /* Each row group prefetches a share of the following piece: spread over all
          * the piece's groups, the requests keep pace with the work. Against one group
          * fetching all of it (then at a KC of 256), this made 8-64-row projections 8-25%
-         * faster on the Zen 3 EPYC; prefill's were unchanged (docs/benchmarks.md). */
+         * faster; prefill's were unchanged. */
         long next_lines = next_piece_lines(K, k0, kc);
         const float *next = ws + (k0 + kc) * PD_NR;
         if (next + next_lines * PD_NR > end) next = 0, next_lines = 0;

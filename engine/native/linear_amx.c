@@ -30,7 +30,7 @@
 #define BLOCK_ROWS 32          /* two A tiles */
 #define PANEL_BYTES (768 << 10) /* input rows per panel, in bf16 bytes: stays in L2 */
 /* From 2 rows on the tiles win: one core, 576 -> 960, 2 rows: 14 against 29 us on
- * VDPBF16PS; 16 rows x 576 -> 3072: 0.15 against 0.54 ms (docs/benchmarks.md). */
+ * VDPBF16PS; 16 rows x 576 -> 3072: 0.15 against 0.54 ms. */
 #define AMX_MIN_ROWS 2
 
 static int amx_on = 0;

@@ -74,7 +74,7 @@ static const tile_bf16_fn TILES_BF16[13] = {
  * odd pairs, summed at the end): memory-bound; gemv_group in linear.c, on bf16 pairs.
  * Each strip's stream is prefetched into L2 GEMV_PF_AHEAD bf16 (4 KiB) ahead: the
  * hardware prefetchers alone left a batch-1 bf16 decode step streaming its weights at
- * about half a plain read's bandwidth on the Zen 4 EPYC, and this took 11-14% off the
+ * about half a plain read's bandwidth, and this took 11-14% off the
  * step (A/B in one process, both orders; into L1, or non-temporal, it was slower). */
 static inline __attribute__((always_inline)) void gemv_group_bf16(int NS, const uint32_t *x,
                                                                   const uint16_t *ws, long K2,

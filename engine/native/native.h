@@ -32,10 +32,10 @@
 /* K block of the multi-row tiles (linear.c's gemm_strips). 8-wide: up to 1536 k, a strip
  * piece of 96 KiB that stays in L2 while the row groups stream it, in one block for the
  * demo model's K of 576 and 1536. Against blocks of 192 (a piece in L1 beside a 16-row
- * panel of x) on the Zen 3 EPYC, float32, 2 threads, step-interleaved in one process: a
+ * panel of x), float32, 2 threads, step-interleaved in one process: a
  * 256-token prefill 4-5% shorter, 4 x 256 tokens 7%, decode steps of 6-16 rows 2-9%; K
- * of 4096 ran 2-5% faster at 1024 or 1536 and up to 4% slower at 4096
- * (docs/benchmarks.md). The 16-wide (AVX-512) builds keep 192: not measured there. */
+ * of 4096 ran 2-5% faster at 1024 or 1536 and up to 4% slower at 4096.
+ * The 16-wide (AVX-512) builds keep 192: not measured there. */
 #ifndef KC
 #define KC (VL == 16 ? 192 : 1536)
 #endif

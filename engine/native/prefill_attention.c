@@ -17,10 +17,10 @@
  * The softmax's exponentials run VL wide too, its sums in eight lanes. Items are
  * independent and each one's arithmetic is fixed by the shapes alone, so the result does
  * not depend on the thread count. On the demo model's shapes (9 query heads over 3 kv
- * heads, D 64), 2 threads of the EPYC (AVX2): 256-token chunk 0.77 ms against
+ * heads, D 64), 2 AVX2 threads: 256-token chunk 0.77 ms against
  * 2.0 ms for torch's CPU flash SDPA, 512 tokens 3.1 against 7.3 ms (~97 GFLOP/s).
  * Gathering keys one float at a time and scaling the queries by scalar loops took a
- * tenth of that (Zen 3: 256 tokens 0.885 of the time without, 512 tokens 0.925); the
+ * tenth of that (256 tokens 0.885 of the time without, 512 tokens 0.925); the
  * tiles' FMAs take ~60% now and the softmax's exponentials ~17% (interleaving a tile's
  * rows in one exp loop gained nothing: they are bound by throughput, not latency).
  */

@@ -12,7 +12,7 @@ the sender has already authorized reads them instead of sending `begin`. An expo
 tags go from set to cleared once, and the sender clears them before the blocks return
 to its allocator, so tags still set after a copy mean no block changed under it. With
 no `begin` to answer, the sender's Python no longer wakes on the cores that are copying
-(0.15-0.2 ms of a 16 MiB fetch, docs/kv_transfer.md).
+(0.15-0.2 ms of a 16 MiB fetch).
 """
 
 from __future__ import annotations
