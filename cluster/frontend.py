@@ -39,8 +39,16 @@ from cluster.cluster import PDCluster, RequestTimeoutError
 from cluster.drain import SHUTDOWN, Drain
 from cluster.frontend_settings import FrontendSettings
 from cluster.metrics import ClusterMetrics
-from cluster.openai_protocol import ApiError, ParsedRequest, parse_body, validate_body
+from cluster.openai_protocol import (
+    ApiError,
+    ChatBody,
+    CompletionBody,
+    ParsedRequest,
+    parse_body,
+    validate_body,
+)
 from cluster.openai_responses import ChoiceWriter, EchoedPrompt, TokenNames, envelope, usage
+from cluster.openapi import body_of, describe_bodies
 from cluster.request import ClusterRequest, GenerationChunk, RequestFailedError
 from cluster.request_body import read_json
 from cluster.router import NoLiveWorkerError
@@ -130,12 +138,12 @@ def build_app(
         handler.check_model(model)
         return handler.models()["data"][0]
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=body_of(TokenizeBody))
     async def tokenize_route(request: Request):
         body = await handler.read_body(request, TokenizeBody)
         return tokenize(cluster.tokenizer, body, cluster.max_model_len)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=body_of(DetokenizeBody))
     async def detokenize_route(request: Request):
         return detokenize(cluster.tokenizer, await handler.read_body(request, DetokenizeBody))
 
@@ -143,14 +151,15 @@ def build_app(
     async def version():
         return {"version": package_version()}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=body_of(CompletionBody))
     async def completions(request: Request):
         return await handler.handle(request, "completion")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=body_of(ChatBody))
     async def chat_completions(request: Request):
         return await handler.handle(request, "chat")
 
+    describe_bodies(app, [CompletionBody, ChatBody, TokenizeBody, DetokenizeBody])
     return app
 
 
