@@ -8,7 +8,7 @@ two minutes later, so not slow but stuck). Waiting longer mends neither; a new h
 does. Ray leaves the stalled head's processes running when its start raises, so they
 are killed here before the next try, after their state is logged for whoever looks.
 
-The head listens on loopback only and asks for Ray's token (cluster/local_head_access.py).
+The head listens on loopback only and asks for Ray's token (cluster/ray_access.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import ray
 
-from cluster.local_head_access import loopback_node_address, require_token_auth
+from cluster.ray_access import loopback_node_address, require_token_auth
 
 logger = logging.getLogger(__name__)
 

@@ -1,10 +1,10 @@
-"""Who can reach the private Ray head that `start_local_head` starts: only this host's
-loopback, and only with this process's token.
+"""Who can reach the Ray cluster pdserve runs on.
 
-A local head serves one driver on one machine: its GCS, raylet, agents and the worker
-processes' gRPC servers only ever talk to each other. Yet a plain `ray.init()` binds them
-to the host's routable address or to every interface, and Ray runs any code that any
-caller sends it. So, for the local head only (a joined cluster is the operator's):
+The private head that `start_local_head` starts: only this host's loopback, and only
+with this process's token. A local head serves one driver on one machine: its GCS,
+raylet, agents and the worker processes' gRPC servers only ever talk to each other. Yet
+a plain `ray.init()` binds them to the host's routable address or to every interface,
+and Ray runs any code that any caller sends it. So:
 
   * every Ray listener binds loopback, whatever `--host` the HTTP server binds: a
     server on the network needs no Ray port on it. `ray.init` replaces a loopback
@@ -20,6 +20,9 @@ caller sends it. So, for the local head only (a joined cluster is the operator's
     default writes and which a read-only home refuses. An operator's own
     `RAY_AUTH_MODE`, `RAY_AUTH_TOKEN` or `RAY_AUTH_TOKEN_PATH` is kept (set one of the
     latter to reach the head with Ray's CLI).
+
+A joined cluster (`--address`) is the operator's to secure (docs/operations.md): joining
+one that took this driver without a token gets a warning.
 """
 
 from __future__ import annotations
@@ -44,10 +47,7 @@ TOKEN_MODE = "token"
 
 def require_token_auth() -> None:
     """Called by `start_local_head` before each `ray.init`, in the driver: the processes
-    the head starts inherit this environment. Ray reads its mode once per process, so
-    its config and its cached token are reloaded here."""
-    from ray._raylet import AuthenticationTokenLoader, Config
-
+    the head starts inherit this environment."""
     mode = os.environ.setdefault(AUTH_MODE_ENV, TOKEN_MODE)
     if mode.lower() != TOKEN_MODE:
         logger.warning(
@@ -56,9 +56,17 @@ def require_token_auth() -> None:
             AUTH_MODE_ENV,
             mode,
         )
-        return
-    if not (os.environ.get(AUTH_TOKEN_ENV) or os.environ.get(AUTH_TOKEN_PATH_ENV)):
+    elif not (os.environ.get(AUTH_TOKEN_ENV) or os.environ.get(AUTH_TOKEN_PATH_ENV)):
         os.environ[AUTH_TOKEN_ENV] = secrets.token_hex(32)
+    reload_auth_settings()
+
+
+def reload_auth_settings() -> None:
+    """Makes this process's Ray read `RAY_AUTH_*` from the environment again: it reads
+    its mode once and caches the token it loaded, so a change of either after that is
+    otherwise not seen (`require_token_auth`, and tests that switch modes, call it)."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
     Config.initialize("")
     AuthenticationTokenLoader.instance().reset_cache()
 
@@ -89,3 +97,15 @@ def is_loopback(address: str) -> bool:
     ip = ipaddress.ip_address(address.split("%", 1)[0])
     mapped = getattr(ip, "ipv4_mapped", None)
     return ip.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def warn_if_joined_without_token(address: str) -> None:
+    """Called by the controller after `ray.init(address=...)` joined a cluster. A driver
+    not in token mode sends no token, so a cluster that let it in enforces none."""
+    if os.environ.get(AUTH_MODE_ENV, "").lower() != TOKEN_MODE:
+        logger.warning(
+            "joined the Ray cluster at %s, which requires no token: anyone who can reach "
+            "its ports can run code on it; start it with %s=token (docs/operations.md)",
+            address,
+            AUTH_MODE_ENV,
+        )
