@@ -37,6 +37,7 @@ from cluster.config import ClusterConfig
 from cluster.core_plan import CorePlan, plan_cores
 from cluster.local_head import local_head_pids, start_local_head
 from cluster.prestarted import PrestartedProcesses
+from cluster.ray_access import warn_if_joined_without_token
 from cluster.router import WorkerInfo
 from decode_worker.worker import DecodeWorker
 from engine.cpu_affinity import BOOT_CORES_ENV, pin_process, process_cores
@@ -74,6 +75,7 @@ class Controller:
             ray.init(
                 address=self.config.address, namespace=self.config.namespace, log_to_driver=False
             )
+            warn_if_joined_without_token(self.config.address)
         else:
             self.driver_cores = process_cores()
             self.core_plan = plan_cores(self.config, self.driver_cores)

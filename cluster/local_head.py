@@ -7,6 +7,8 @@ that was spawned but never wrote a log nor registered with the GCS (still unregi
 two minutes later, so not slow but stuck). Waiting longer mends neither; a new head
 does. Ray leaves the stalled head's processes running when its start raises, so they
 are killed here before the next try, after their state is logged for whoever looks.
+
+The head listens on loopback only and asks for Ray's token (cluster/ray_access.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from pathlib import Path
 
 import psutil
 import ray
+
+from cluster.ray_access import loopback_node_address, require_token_auth
 
 logger = logging.getLogger(__name__)
 
@@ -43,15 +47,18 @@ def start_local_head(namespace: str) -> None:
     inherit them)."""
     os.environ.setdefault(GCS_PORT_WAIT_ENV, GCS_PORT_WAIT_S)
     for attempt in range(1, START_ATTEMPTS + 1):
+        require_token_auth()
         try:
-            ray.init(
-                namespace=namespace,
-                num_cpus=os.cpu_count(),
-                resources={"prefill_pool": POOL_CAPACITY, "decode_pool": POOL_CAPACITY},
-                runtime_env={"worker_process_setup_hook": BOOT_HOOK},
-                include_dashboard=False,
-                log_to_driver=False,
-            )
+            with loopback_node_address() as node_address:
+                ray.init(
+                    namespace=namespace,
+                    num_cpus=os.cpu_count(),
+                    resources={"prefill_pool": POOL_CAPACITY, "decode_pool": POOL_CAPACITY},
+                    runtime_env={"worker_process_setup_hook": BOOT_HOOK},
+                    include_dashboard=False,
+                    log_to_driver=False,
+                    **node_address,
+                )
             return
         except Exception as exc:
             if not _is_stalled_start(exc) or attempt == START_ATTEMPTS:

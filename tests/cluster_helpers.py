@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 
 from cluster.cluster import PDCluster
@@ -75,3 +78,28 @@ async def assert_cluster_leak_free(cluster: PDCluster, wait_s: float = 5.0) -> N
         if time.monotonic() > deadline:
             raise AssertionError(f"KV blocks or leases leaked: {leaked}")
         await asyncio.sleep(0.1)
+
+
+def assert_gcs_refuses_strangers(address: str, home) -> None:
+    """A Ray GCS client in a fresh process, with no token (and no token file: `home` is
+    its home) and then with a wrong one, is refused by the GCS at `address`."""
+    code = (
+        "from ray._raylet import GcsClient\n"
+        f"client = GcsClient(address={address!r})\n"
+        "print('answered', client.internal_kv_keys(b'', namespace=None))\n"
+    )
+    for token in (None, "0" * 64):
+        env = {key: value for key, value in os.environ.items() if not key.startswith("RAY_AUTH")}
+        env.update(HOME=str(home), RAY_AUTH_MODE="token" if token else "disabled")
+        if token:
+            env["RAY_AUTH_TOKEN"] = token
+        answer = subprocess.run(
+            [sys.executable, "-c", code],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=120,
+        )
+        assert answer.returncode == 1, answer.stdout
+        assert "InvalidAuthToken" in answer.stdout, answer.stdout
