@@ -20,19 +20,11 @@ MARKER_ENV = "PDSERVE_LISTENER_TEST"
 """Set in the server's environment, so every process the server starts carries it,
 wherever it sits in the process table."""
 
-TCPSTORE_OPEN = pytest.mark.xfail(
-    strict=True,
-    reason="the collective transport's TCPStore binds every interface (torch's server "
-    "ignores the host it is given); the KV transport hardening fixes it: remove this mark "
-    "when it lands",
-)
-
 SERVERS = {
-    "colocated": ["--mode", "colocated"],
-    "disaggregated-shm-http-on-all-interfaces": ["--transport", "shm", "--host", "0.0.0.0"],
+    # auto starts the shm and the collective transports' servers (control channels and
+    # the collective's TCPStore); the HTTP server alone is asked onto every interface
+    "disaggregated-auto-http-on-all-interfaces": ["--transport", "auto", "--host", "0.0.0.0"],
     "disaggregated-grpc": ["--transport", "grpc"],
-    "disaggregated-collective": pytest.param(["--transport", "collective"], marks=TCPSTORE_OPEN),
-    "disaggregated-auto": pytest.param(["--transport", "auto"], marks=TCPSTORE_OPEN),
 }
 
 
@@ -91,10 +83,14 @@ def stop(server: ServerProcess) -> None:
 
 
 @pytest.mark.parametrize("extra", list(SERVERS.values()), ids=list(SERVERS))
-def test_every_listener_of_the_server_and_its_ray_head_is_on_loopback(tiny_llama_dir, extra):
+def test_every_listener_of_the_server_and_its_ray_head_is_on_loopback(
+    tiny_llama_dir, extra, tmp_path
+):
     """The server's descendants are all its processes (Ray's and the workers' among them:
     every process carrying the server's environment marker is one), and none of them
-    listens off loopback but the HTTP server where `--host` asks for it."""
+    listens off loopback but the HTTP server where `--host` asks for it. Ray's token
+    authentication is on for the local head: its GCS answers a client with no token, or
+    with another one, with an authentication error."""
     server, marker = start(tiny_llama_dir, extra)
     try:
         tree = [psutil.Process(server.proc.pid), *server.descendants()]
@@ -106,20 +102,7 @@ def test_every_listener_of_the_server_and_its_ray_head_is_on_loopback(tiny_llama
         off_loopback = [listener for listener in found if not is_loopback(listener.ip)]
         expected = [(server.proc.pid, "0.0.0.0", server.port)] if "--host" in extra else []
         assert [(item.pid, item.ip, item.port) for item in off_loopback] == expected
-    finally:
-        stop(server)
-
-
-def test_the_local_head_refuses_a_caller_without_its_token(tiny_llama_dir, tmp_path):
-    """Ray's token authentication is on for the local head: its GCS answers a client
-    with no token, or with another one, with an authentication error."""
-    server, _ = start(tiny_llama_dir, ["--mode", "colocated"])
-    try:
-        gcs = next(
-            listener
-            for listener in listeners_of(server.descendants())
-            if listener.process == "gcs_server"
-        )
+        gcs = next(listener for listener in found if listener.process == "gcs_server")
         assert_gcs_refuses_strangers(f"127.0.0.1:{gcs.port}", tmp_path)
     finally:
         stop(server)
