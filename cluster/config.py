@@ -16,7 +16,7 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 import yaml
 
 from engine.config import EngineConfig, ModelSettings
-from engine.worker_spec import TransferFailurePolicy, WorkerRole, WorkerSpec
+from worker.spec import TransferFailurePolicy, WorkerRole, WorkerSpec
 
 Mode = Literal["disaggregated", "colocated"]
 TransportName = Literal["auto", "shm", "collective", "grpc", "local"]

@@ -40,8 +40,8 @@ from cluster.prestarted import PrestartedProcesses
 from cluster.router import WorkerInfo
 from decode_worker.worker import DecodeWorker
 from engine.cpu_affinity import BOOT_CORES_ENV, pin_process, process_cores
-from engine.worker_spec import WorkerSpec
 from prefill_worker.worker import PrefillWorker
+from worker.spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from cluster.router import WorkerInfo
-from engine.worker_messages import DecodeRequest
+from worker.messages import DecodeRequest
 
 HOLD_AT = 64
 """Events queued for one request at which its decode worker holds it."""

@@ -19,8 +19,8 @@ from prometheus_client.core import (
 )
 
 from cluster.local_head import local_head_pids
-from engine.worker_messages import HealthReport
 from kv_transfer.stats import SenderStats
+from worker.messages import HealthReport
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 WORKER = ["worker", "role"]

@@ -56,7 +56,7 @@ from cluster.request import (
 from cluster.router import Claim, LocalPrefill, NoLiveWorkerError, Router, WorkerInfo
 from engine.kv_cache import KVLayout
 from engine.sampling_params import SamplingParams
-from engine.worker_messages import (
+from worker.messages import (
     DecodeRequest,
     ErrorEvent,
     ImportEvent,

@@ -30,7 +30,7 @@ from typing import Any
 
 from cluster.cache_views import CacheViews
 from cluster.config import RouterPolicy
-from engine.worker_messages import HealthReport
+from worker.messages import HealthReport
 
 OVERLAP_WEIGHT = 1.0
 """Blocks of this prompt still to compute/receive, against blocks already claimed."""

@@ -19,7 +19,7 @@ from cluster.router import BALANCE_ABS, BALANCE_REL, LocalPrefill, Router, Worke
 from engine.llm_engine import StepRecord
 from engine.prefix_cache import CacheReport, hash_seed, prompt_hashes
 from engine.step_costs import fit_step_costs
-from engine.worker_messages import HealthReport
+from worker.messages import HealthReport
 
 BLOCK = 16
 SEED = hash_seed("demo", "float32", BLOCK)

@@ -13,7 +13,7 @@ from cluster.config import ClusterConfig, ConfigError
 from cluster.controller import Controller
 from cluster.core_plan import plan_cores
 from cluster.router import Router, WorkerInfo
-from engine.worker_messages import HealthReport
+from worker.messages import HealthReport
 
 
 class FakeHandle:

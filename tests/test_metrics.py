@@ -25,7 +25,7 @@ from bench.server_process import ServerProcess
 from cluster.metrics import ClusterMetrics
 from cluster.timeline import RequestTimeline
 from engine.block_manager import blocks_needed
-from engine.worker_messages import HealthReport
+from worker.messages import HealthReport
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS_BIN = ROOT / ".tools" / "prometheus" / "usr" / "bin"

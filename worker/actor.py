@@ -11,8 +11,8 @@ import asyncio
 from engine.cpu_affinity import pin_process
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
-from engine.worker_health import StartupTimer, step_trace
-from engine.worker_spec import WorkerSpec
+from worker.health import StartupTimer, step_trace
+from worker.spec import WorkerSpec
 
 
 class EngineActor:

@@ -15,7 +15,7 @@ from engine.engine_loop import EngineLoop
 from engine.gpu_stats import read_gpu_stats
 from engine.llm_engine import LLMEngine
 from engine.step_costs import fit_step_costs
-from engine.worker_messages import HealthReport
+from worker.messages import HealthReport
 
 
 def health_report(
