@@ -17,8 +17,7 @@ from cluster.decode_streams import HOLD_AT, RESUME_AT, DecodeStreams
 from engine.sampling_params import SamplingParams
 from engine.sequence import SequenceStatus
 from tests.cluster_helpers import assert_cluster_leak_free, collect, tiny_cluster_config
-from tests.conftest import assert_no_leaks, make_engine
-from tests.factories import hf_greedy
+from tests.factories import assert_no_leaks, hf_greedy, make_engine
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 

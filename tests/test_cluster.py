@@ -22,7 +22,7 @@ from tests.cluster_helpers import (
     reference_outputs,
     tiny_cluster_config,
 )
-from tests.conftest import make_engine
+from tests.factories import make_engine
 
 pytestmark = pytest.mark.slow
 

@@ -23,7 +23,7 @@ from cluster.timeline import RequestTimeline
 from engine.errors import InvalidRequestError, RequestAbortedError
 from engine.sampling_params import SamplingParams
 from engine.sequence import SequenceStatus
-from tests.conftest import assert_no_leaks, make_engine
+from tests.factories import assert_no_leaks, make_engine
 from worker.messages import ErrorEvent, ImportEvent, PrefillResult, TokenEvent
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
