@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from cluster.cluster import PDCluster
 from cluster.config import ClusterConfig
+from cluster.flow.cluster import PDCluster
 from engine.sampling_params import SamplingParams
 from tests.factories import hf_greedy
 

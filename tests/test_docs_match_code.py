@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.cli import build_parser
+from cluster.cli.main import build_parser
 from cluster.config import ClusterConfig
 
 ROOT = Path(__file__).resolve().parents[1]

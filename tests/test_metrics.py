@@ -22,7 +22,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.server_process import ServerProcess
-from cluster.metrics import ClusterMetrics
+from cluster.control.metrics import ClusterMetrics
 from cluster.timeline import RequestTimeline
 from engine.block_manager import blocks_needed
 from worker.messages import HealthReport

@@ -8,7 +8,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from cluster.cluster import PDCluster
+from cluster.flow.cluster import PDCluster
 from tests.cluster_helpers import (
     assert_cluster_leak_free,
     generate_all,

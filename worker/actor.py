@@ -25,7 +25,7 @@ class EngineActor:
     stopped: asyncio.Event | None = None
 
     def __init__(self, spec: WorkerSpec | None = None, transport: str | None = None):
-        """`spec` None makes a prestarted process (cluster/prestarted.py): Ray's worker,
+        """`spec` None makes a prestarted process (cluster/control/prestarted.py): Ray's worker,
         Python and every import, `transport`'s module included, are up, but nothing is
         built until `activate`."""
         if spec is not None:

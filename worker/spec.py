@@ -34,7 +34,7 @@ class WorkerSpec:
     on_transfer_failure: TransferFailurePolicy
     """A failed import: `recompute` the prompt here, or `fail` the request."""
     cpu_cores: tuple[int, ...] | None = None
-    """The cores this worker's threads run on (`cluster.core_plan`); None: any."""
+    """The cores this worker's threads run on (`cluster.control.core_plan`); None: any."""
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "colocated"):

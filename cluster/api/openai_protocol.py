@@ -1,11 +1,11 @@
 """OpenAI request bodies, validated: what real clients and benchmark tools send.
 
-The body arrives as JSON (cluster/request_body.py read it, bounded). Parsing turns it
+The body arrives as JSON (cluster/api/request_body.py read it, bounded). Parsing turns it
 into a `ParsedRequest` (prompt ids + SamplingParams) or raises `ApiError` with the
 status, message and offending parameter. Unknown fields are ignored like OpenAI does,
 except fields whose silent loss would change results (`best_of`, `audio`, ...), which
 are refused with a 400. The sampling side of a body
-(penalties, logprobs, structured output, tool choice) is read by cluster/openai_params.py.
+(penalties, logprobs, structured output, tool choice) is read by cluster/api/openai_params.py.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from cluster.request_limits import DEFAULT_LIMITS, RequestLimits
+from cluster.api.request_limits import DEFAULT_LIMITS, RequestLimits
 from engine.sampling_params import MAX_TOKENS_LIMIT, SamplingParams
 
 
@@ -231,7 +231,7 @@ class ParsedRequest:
     """Alternatives per output position to return (None: no logprobs)."""
     tools: list[dict] | None = None
     tool_choice: Any = None
-    """`cluster.tools.ToolChoice` of a chat request with tools, else None."""
+    """`cluster.api.tools.ToolChoice` of a chat request with tools, else None."""
     template_options: dict = field(default_factory=dict)
     """Chat: what the template renders with besides messages and tools."""
     max_tokens_sent: bool = True
@@ -249,7 +249,7 @@ class ParsedRequest:
 def parse_body(kind: str, body: Any, limits: RequestLimits = DEFAULT_LIMITS) -> ParsedRequest:
     """A completion or chat body as what the cluster runs, or ApiError; `limits` bound
     what one request may ask for (the server's flags; a 400 names the one exceeded)."""
-    from cluster.openai_params import request_of
+    from cluster.api.openai_params import request_of
 
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")

@@ -19,7 +19,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cluster.router import Claim, LocalPrefill, WorkerInfo
+from cluster.control.worker_info import WorkerInfo
+from cluster.flow.router import Claim, LocalPrefill
 from cluster.timeline import RequestTimeline
 from engine.logprobs import TokenLogprobs
 from engine.sampling_params import SamplingParams
@@ -28,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 CloseReason = str
 """`finished`, `cancelled` (the caller went away), `timeout`, `error`, or `shutdown` (cut
-at the end of the server's drain, `cluster.drain`)."""
+at the end of the server's drain, `cluster.api.drain`)."""
 
 
 class RequestFailedError(RuntimeError):

@@ -18,7 +18,7 @@ import asyncio
 import json
 from typing import Any
 
-from cluster.openai_protocol import ApiError
+from cluster.api.openai_protocol import ApiError
 
 MAX_JSON_DEPTH = 64
 """Deepest nesting of arrays and objects a body may have (OpenAI bodies need ~6)."""

@@ -21,10 +21,10 @@ import logging
 import signal
 import socket
 
+from cluster.api.frontend_settings import FrontendSettings
+from cluster.api.request_limits import add_limit_flags, limits_from_args
 from cluster.config import ClusterConfig
 from cluster.config_flags import add_config_flags, config_overrides
-from cluster.frontend_settings import FrontendSettings
-from cluster.request_limits import add_limit_flags, limits_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +114,8 @@ def bind_listener(host: str, port: int) -> socket.socket:
 async def _serve(
     config: ClusterConfig, settings, host: str, listener: socket.socket, drain_timeout_s: float
 ) -> None:
-    from cluster.cluster import PDCluster
-    from cluster.frontend import build_app
+    from cluster.api.frontend import build_app
+    from cluster.flow.cluster import PDCluster
 
     port = listener.getsockname()[1]
     cluster = PDCluster(config)
@@ -144,7 +144,7 @@ def _draining_server(app, settings: FrontendSettings, drain_timeout_s: float):
     second one cuts what runs at once."""
     import uvicorn
 
-    from cluster.http_protocol import bounded_protocol
+    from cluster.api.http_protocol import bounded_protocol
 
     handler = app.state.handler
 

@@ -22,10 +22,10 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 from cluster.config import ClusterConfig
-from cluster.controller import Controller
-from cluster.request import ClusterRequest, GenerationChunk
-from cluster.request_flow import RequestFlow
-from cluster.router import Router
+from cluster.control.controller import Controller
+from cluster.flow.request import ClusterRequest, GenerationChunk
+from cluster.flow.request_flow import RequestFlow
+from cluster.flow.router import Router
 from cluster.timeline import RequestTimeline
 from engine import envs
 from engine.block_manager import blocks_needed

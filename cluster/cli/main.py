@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"pdserve {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _generate_parser(sub)
-    from cluster.serve import add_serve_parser
+    from cluster.cli.serve import add_serve_parser
 
     add_serve_parser(sub)
     from bench.drill import add_drill_parser
@@ -134,7 +134,3 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

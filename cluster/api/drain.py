@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 
-from cluster.openai_protocol import ApiError
+from cluster.api.openai_protocol import ApiError
 
 SHUTDOWN = "shutdown"
 """The close reason of a request cut at the end of a drain."""

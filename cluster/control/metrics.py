@@ -5,7 +5,7 @@ when it is rejected or its stream ends; when the cluster is done with it, howeve
 ended, its `RequestTimeline` arrives (`observe_timeline`) and becomes latency, phase,
 token and KV transfer samples. Worker state (queues, KV pool, leases, batch sizes,
 liveness, GPU, CPU) is read at scrape time from the controller's last health reports by
-`cluster.metrics_workers`. Workers themselves only collect plain stats. CPU seconds
+`cluster.control.metrics_workers`. Workers themselves only collect plain stats. CPU seconds
 come in three parts, so that a run's delta says who used the cores: this process
 (`process_cpu_seconds_total`: the HTTP frontend and the Ray driver), each worker
 (`pdserve_worker_cpu_seconds_total`) and Ray's own processes (`pdserve_ray_cpu_seconds_total`).
@@ -22,7 +22,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from cluster.metrics_workers import WorkerCollector
+from cluster.control.metrics_workers import WorkerCollector
 from cluster.timeline import RequestTimeline
 
 # `_created` series double the exposition and no dashboard reads them.

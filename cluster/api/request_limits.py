@@ -17,7 +17,7 @@ from cluster.config_flags import add_config_flags, config_overrides
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """Per-request bounds, read by `cluster.openai_params.request_of`."""
+    """Per-request bounds, read by `cluster.api.openai_params.request_of`."""
 
     max_logit_bias_entries: int = 300
     """Most token ids one request's logit_bias may map (OpenAI's own limit)."""

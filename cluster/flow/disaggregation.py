@@ -31,7 +31,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass, field
 
-from cluster.cache_views import CacheViews
+from cluster.flow.cache_views import CacheViews
 from engine.block_manager import blocks_needed
 from engine.step_costs import StepCosts
 

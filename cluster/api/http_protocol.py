@@ -9,7 +9,7 @@ A connection's life here:
        the previous response on a kept-alive connection), else it is closed: a client
        that trickles header bytes (slowloris) holds a connection for that long at most
     -> the request runs as uvicorn runs it (the body's own deadline is the frontend's,
-       cluster/request_body.py).
+       cluster/api/request_body.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import json
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from cluster.openai_protocol import ApiError
+from cluster.api.openai_protocol import ApiError
 
 
 def _busy_response() -> bytes:

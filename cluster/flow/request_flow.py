@@ -8,7 +8,7 @@ Disaggregated:
     side is acked (blocks freed)
 Colocated:
     router picks a colocated worker -> generate() prefills and decodes in one engine.
-Where the prompt is prefilled (`disaggregation`, cluster/disaggregation.py): `always`
+Where the prompt is prefilled (`disaggregation`, cluster/flow/disaggregation.py): `always`
 on the prefill worker, `never` on the decode worker (no prefill pick, no transfer),
 `auto` per request from measured costs, after the pair is picked. Picks pass the
 prompt to the router, so `cache_aware` can send it where its prefix is cached.
@@ -44,16 +44,17 @@ from collections.abc import AsyncIterator, Callable
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from cluster.config import ClusterConfig
-from cluster.decode_streams import DecodeStreams, WorkerStreamClosed
-from cluster.disaggregation import Disaggregation, PathChoice
-from cluster.recovery_costs import RecoveryCosts
-from cluster.request import (
+from cluster.control.worker_info import WorkerInfo
+from cluster.flow.decode_streams import DecodeStreams, WorkerStreamClosed
+from cluster.flow.disaggregation import Disaggregation, PathChoice
+from cluster.flow.recovery_costs import RecoveryCosts
+from cluster.flow.request import (
     ClusterRequest,
     GenerationChunk,
     RequestFailedError,
     TransferFailedError,
 )
-from cluster.router import Claim, LocalPrefill, NoLiveWorkerError, Router, WorkerInfo
+from cluster.flow.router import Claim, LocalPrefill, NoLiveWorkerError, Router
 from engine.kv_cache import KVLayout
 from engine.sampling_params import SamplingParams
 from worker.messages import (

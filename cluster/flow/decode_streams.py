@@ -18,7 +18,7 @@ import os
 import uuid
 from collections.abc import AsyncIterator
 
-from cluster.router import WorkerInfo
+from cluster.control.worker_info import WorkerInfo
 from worker.messages import DecodeRequest
 
 HOLD_AT = 64

@@ -12,9 +12,9 @@ from __future__ import annotations
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict
 
-from cluster.openai_params import message_dict, template_options
-from cluster.openai_protocol import ApiError, ChatMessage, ChatTemplateOptions, ToolDef
-from cluster.tools import with_tools_preamble
+from cluster.api.openai_params import message_dict, template_options
+from cluster.api.openai_protocol import ApiError, ChatMessage, ChatTemplateOptions, ToolDef
+from cluster.api.tools import with_tools_preamble
 from engine.tokenizer import Tokenizer
 
 
@@ -41,7 +41,7 @@ def chat_prompt_ids(
     tokenizer: Tokenizer, messages: list[dict], tools: list[dict] | None, options: dict
 ) -> list[int]:
     """A chat's prompt token ids: the template renders the tools where it reads them,
-    else they go in a preamble message (cluster/tools.py). `options`: from
+    else they go in a preamble message (cluster/api/tools.py). `options`: from
     `openai_params.template_options`. Messages the template refuses (its
     raise_exception, say "roles must alternate") are the client's mistake: a 400."""
     if tools and not tokenizer.template_renders_tools:

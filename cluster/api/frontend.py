@@ -3,14 +3,14 @@
 A request's path here: auth -> a provisional admission slot (429 + Retry-After when
 the server is full, 503 when it cannot serve), before anything that scales with the
 body -> the body read, bounded in size and time, and parsed in linear time
-(cluster/request_body.py) -> validation, tokenization and the chat template on a worker
+(cluster/api/request_body.py) -> validation, tokenization and the chat template on a worker
 thread, so the event loop keeps serving others (4xx on bad input, the server keeps
 serving) -> admission of every choice against the bounded number of in-flight
 requests, counted from here until each closes -> `cluster.open_request` (400 for what
 no worker can hold) -> `cluster.run` streamed out as SSE chunks or collected into one
 response. Whichever way the client goes away (a closed stream, a dropped
 non-streaming connection), the request is closed, which aborts it on its workers and
-frees its KV blocks at once. On a stop signal the frontend drains (`cluster.drain`).
+frees its KV blocks at once. On a stop signal the frontend drains (`cluster.api.drain`).
 """
 
 from __future__ import annotations
@@ -34,12 +34,10 @@ from fastapi.sse import format_sse_event
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster import package_version
-from cluster.choice_fanout import ChoiceFanout
-from cluster.cluster import PDCluster, RequestTimeoutError
-from cluster.drain import SHUTDOWN, Drain
-from cluster.frontend_settings import FrontendSettings
-from cluster.metrics import ClusterMetrics
-from cluster.openai_protocol import (
+from cluster.api.choice_fanout import ChoiceFanout
+from cluster.api.drain import SHUTDOWN, Drain
+from cluster.api.frontend_settings import FrontendSettings
+from cluster.api.openai_protocol import (
     ApiError,
     ChatBody,
     CompletionBody,
@@ -47,12 +45,10 @@ from cluster.openai_protocol import (
     parse_body,
     validate_body,
 )
-from cluster.openai_responses import ChoiceWriter, EchoedPrompt, TokenNames, envelope, usage
-from cluster.openapi import body_of, describe_bodies
-from cluster.request import ClusterRequest, GenerationChunk, RequestFailedError
-from cluster.request_body import read_json
-from cluster.router import NoLiveWorkerError
-from cluster.tokenize_api import (
+from cluster.api.openai_responses import ChoiceWriter, EchoedPrompt, TokenNames, envelope, usage
+from cluster.api.openapi import body_of, describe_bodies
+from cluster.api.request_body import read_json
+from cluster.api.tokenize_api import (
     DetokenizeBody,
     TokenizeBody,
     chat_prompt_ids,
@@ -60,7 +56,11 @@ from cluster.tokenize_api import (
     detokenize,
     tokenize,
 )
-from cluster.tools import ToolCallReader
+from cluster.api.tools import ToolCallReader
+from cluster.control.metrics import ClusterMetrics
+from cluster.flow.cluster import PDCluster, RequestTimeoutError
+from cluster.flow.request import ClusterRequest, GenerationChunk, RequestFailedError
+from cluster.flow.router import NoLiveWorkerError
 from engine.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)

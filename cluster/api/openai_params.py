@@ -8,11 +8,11 @@ so every mistake is a 400 naming its parameter:
       completions `echo` with logprobs asks for prompt logprobs too
     structured output: `response_format` (json_object, json_schema), vLLM's
       `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` (Lark) or
-      `structured_outputs`, and the constraint a tool choice implies (cluster/tools.py);
+      `structured_outputs`, and the constraint a tool choice implies (cluster/api/tools.py);
       at most one of them, checked by compiling the grammar (engine/structured.py)
     batched prompts (completions) and `n` -> `ParsedRequest.prompts` and `.n`.
 What one request may ask for is bounded by the server's `RequestLimits`
-(cluster/request_limits.py): choices, stop strings, stop token ids (duplicates folded
+(cluster/api/request_limits.py): choices, stop strings, stop token ids (duplicates folded
 first) and logit_bias entries.
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 
-from cluster.openai_protocol import (
+from cluster.api.openai_protocol import (
     DEFAULT_MAX_TOKENS,
     ApiError,
     ChatBody,
@@ -30,9 +30,9 @@ from cluster.openai_protocol import (
     check_sampling,
     max_tokens_of,
 )
-from cluster.request_body import MAX_JSON_DEPTH, json_depth
-from cluster.request_limits import RequestLimits
-from cluster.tools import ToolChoice, tool_grammar
+from cluster.api.request_body import MAX_JSON_DEPTH, json_depth
+from cluster.api.request_limits import RequestLimits
+from cluster.api.tools import ToolChoice, tool_grammar
 from engine.sampling_params import MAX_CACHE_SALT_CHARS, MAX_LOGPROBS, StructuredSpec
 
 

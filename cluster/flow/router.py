@@ -4,7 +4,7 @@ Policies see each worker's last health report (queue depth, free blocks) plus th
 router's own count of requests it sent there and has not seen finish, which is
 fresher than any report. A worker marked dead is never picked.
 
-`cache_aware` also sees what each worker's prefix cache holds (cluster/cache_views.py)
+`cache_aware` also sees what each worker's prefix cache holds (cluster/flow/cache_views.py)
 and scores each candidate in blocks, overlap minus load as in Dynamo's KV router: on a
 prefill (or colocated) worker, the prompt blocks it would still compute plus the blocks
 of prefill already queued there; on a decode worker, the blocks it would still receive
@@ -17,7 +17,7 @@ however much of the prompt it holds.
 
 `pick` returns a `Claim`: the request counts against the worker from the pick until
 the claim is released, exactly once, by the request that holds it (see
-cluster/request.py), so the count stays exact across restarts and failures.
+cluster/flow/request.py), so the count stays exact across restarts and failures.
 """
 
 from __future__ import annotations
@@ -26,11 +26,10 @@ import dataclasses
 import itertools
 import random
 from dataclasses import dataclass, field
-from typing import Any
 
-from cluster.cache_views import CacheViews
 from cluster.config import RouterPolicy
-from worker.messages import HealthReport
+from cluster.control.worker_info import WorkerInfo
+from cluster.flow.cache_views import CacheViews
 
 OVERLAP_WEIGHT = 1.0
 """Blocks of this prompt still to compute/receive, against blocks already claimed."""
@@ -47,44 +46,6 @@ class NoLiveWorkerError(RuntimeError):
         self.role = role
         self.request_id = request_id
         super().__init__(f"[request {request_id}] no live {role} worker")
-
-
-@dataclass
-class WorkerInfo:
-    """The controller's record of one worker; the router reads it."""
-
-    worker_id: str
-    role: str
-    handle: Any
-    alive: bool = True
-    load: HealthReport | None = None
-    """The worker's last health report (None before its first one)."""
-    in_flight: int = 0
-    """Requests holding a claim on this worker."""
-    claimed_tokens: int = 0
-    """Tokens of work those claims bring: prompt tokens still to compute on a prefill
-    worker, prompt tokens resident on a decode worker."""
-    local_prefill_tokens: int = 0
-    """Decode workers: prompt tokens it was asked to prefill itself (`disaggregation:
-    auto` chose local) and has not answered yet; `LocalPrefill` holds them."""
-    restarts: int = 0
-    """Restarts over the cluster's life (a counter for metrics)."""
-    generation: int = 0
-    """Which actor incarnation `handle` is; failures seen on an older one are stale."""
-    standby: bool = False
-    """A warm spare: alive and ready, but not routed to until it takes a dead worker's place."""
-    recent_restarts: int = 0
-    """Restarts counted against `max_restarts`; reset after a healthy period."""
-    alive_since: float = 0.0
-    dead_since: float | None = None
-    """Monotonic time it was marked dead (None while alive)."""
-
-    def score(self) -> tuple[float, float]:
-        """Lower is better: outstanding work first, then fewer free KV blocks."""
-        if self.load is None:
-            return (self.in_flight, 0.0)
-        free = self.load.free_blocks / max(1, self.load.total_blocks)
-        return (self.load.queue_depth + self.in_flight, -free)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ What a choice carries besides its text, and where it comes from:
                   chunk carries the logprobs of its own tokens (engine/logprobs.py)
     echo          completions: the prompt's text leads the choice, and with logprobs
                   the prompt's tokens lead the lists (the first one's logprob null)
-    tool_calls    chat with tools: `cluster.tools.ToolCallReader` splits the answer
+    tool_calls    chat with tools: `cluster.api.tools.ToolCallReader` splits the answer
                   into content and calls; finish_reason `tool_calls` when it made some
                   (auto, required), `stop`/`length` for a named function as vLLM does.
 Usage and envelopes are plain functions at the bottom.
@@ -19,12 +19,12 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from cluster.openai_protocol import ParsedRequest
-from cluster.request import GenerationChunk
-from cluster.tools import ToolCallReader, new_call_id, openai_call
+from cluster.api.openai_protocol import ParsedRequest
+from cluster.api.tool_parsers import ParsedToolCall
+from cluster.api.tools import ToolCallReader, new_call_id, openai_call
+from cluster.flow.request import GenerationChunk
 from engine.logprobs import TokenLogprobs
 from engine.tokenizer import Tokenizer
-from engine.tool_parsers import ParsedToolCall
 
 _FLOOR = -9999.0
 """JSON has no -inf: a banned token's logprob is reported as this (vLLM does the same)."""

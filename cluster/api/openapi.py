@@ -1,5 +1,5 @@
 """The OpenAPI description of the request bodies. The handlers read their bodies raw
-(bounded, cluster/request_body.py) and validate them with these models themselves, so
+(bounded, cluster/api/request_body.py) and validate them with these models themselves, so
 FastAPI would describe them as taking no body; `describe_bodies` puts each model's JSON
 schema into the served `/openapi.json`, for clients, generators and API fuzzers."""
 

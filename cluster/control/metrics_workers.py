@@ -18,7 +18,7 @@ from prometheus_client.core import (
     HistogramMetricFamily,
 )
 
-from cluster.local_head import local_head_pids
+from cluster.control.local_head import local_head_pids
 from kv_transfer.stats import SenderStats
 from worker.messages import HealthReport
 

@@ -9,8 +9,8 @@ blocks its decode worker computed (the next turn of a conversation starts with t
 Those predictions expire after `PREDICTION_TTL_S` unless a report confirms them, so a
 worker that evicted them stops attracting requests.
 
-Read by the cache-aware routing policy (cluster/router.py) and the disaggregation
-policy (cluster/disaggregation.py); single-threaded, on the driver's event loop.
+Read by the cache-aware routing policy (cluster/flow/router.py) and the disaggregation
+policy (cluster/flow/disaggregation.py); single-threaded, on the driver's event loop.
 """
 
 from __future__ import annotations

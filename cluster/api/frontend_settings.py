@@ -1,14 +1,14 @@
 """How the HTTP frontend serves: keys, limits, TLS, disclosure. `pdserve serve` derives a
 flag from every field (cluster/config_flags.py) and builds one `FrontendSettings`, which
-`frontend.build_app` and the HTTP server (cluster/serve.py) read."""
+`frontend.build_app` and the HTTP server (cluster/cli/serve.py) read."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cluster.request_limits import RequestLimits
+from cluster.api.request_limits import RequestLimits
+from cluster.api.tool_parsers import TOOL_PARSERS
 from engine import envs
-from engine.tool_parsers import TOOL_PARSERS
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class FrontendSettings:
     echoed when a request names none. Empty: the model's own name and its --model
     argument."""
     limits: RequestLimits = field(default_factory=RequestLimits)
-    """What one request may ask for (cluster/request_limits.py, flags of their own)."""
+    """What one request may ask for (cluster/api/request_limits.py, flags of their own)."""
 
     def __post_init__(self) -> None:
         if self.max_body_bytes <= 0 or self.max_in_flight <= 0 or self.read_timeout_s <= 0:

@@ -7,7 +7,7 @@ gets them in a system message instead, so the model always sees them), and
 `tool_choice` picks the constraint:
     none      rendered, never parsed: the answer is content
     auto      rendered; the answer is parsed by the server's tool call parser
-              (`--tool-call-parser`, engine/tool_parsers.py)
+              (`--tool-call-parser`, cluster/api/tool_parsers.py)
     required  the answer is constrained (structured output) to a JSON array of
               {"name": one of the tools, "parameters": that tool's schema}
     named     the answer is constrained to the named function's parameter schema:
@@ -21,8 +21,8 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
+from cluster.api.tool_parsers import ParsedToolCall, make_tool_parser
 from engine.sampling_params import StructuredSpec
-from engine.tool_parsers import ParsedToolCall, make_tool_parser
 
 _PREAMBLE = (
     "# Tools\n\nYou can call the functions below. Their signatures, one JSON object per "

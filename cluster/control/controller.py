@@ -19,7 +19,7 @@ after `standby_restart_delay_s` when a spare took its place, then with exponenti
 backoff, up to `max_restarts` times in a crash loop (a generation that stayed healthy
 for `restart_budget_reset_s` was not in one and gives the budget back). A restart
 takes a prestarted process of the role when one waits (`prestarted_workers`,
-cluster/prestarted.py) and only builds the engine in it; otherwise it starts a new
+cluster/control/prestarted.py) and only builds the engine in it; otherwise it starts a new
 process. A restarted worker is routed to again when its first health call succeeds,
 or becomes the role's spare if the role is at strength.
 """
@@ -34,10 +34,10 @@ import time
 import ray
 
 from cluster.config import ClusterConfig
-from cluster.core_plan import CorePlan, plan_cores
-from cluster.local_head import local_head_pids, start_local_head
-from cluster.prestarted import PrestartedProcesses
-from cluster.router import WorkerInfo
+from cluster.control.core_plan import CorePlan, plan_cores
+from cluster.control.local_head import local_head_pids, start_local_head
+from cluster.control.prestarted import PrestartedProcesses
+from cluster.control.worker_info import WorkerInfo
 from decode_worker.worker import DecodeWorker
 from engine.cpu_affinity import BOOT_CORES_ENV, pin_process, process_cores
 from prefill_worker.worker import PrefillWorker
@@ -87,7 +87,7 @@ class Controller:
 
     def _confine_the_rest(self) -> None:
         """Once every planned worker is up on its own cores: this process and the local
-        head's other processes onto the cores left to them (cluster/core_plan.py); the
+        head's other processes onto the cores left to them (cluster/control/core_plan.py); the
         processes the raylet starts later inherit them, unless a worker's cores are in
         their environment. Not before: with Ray's start on one core of two, a 1 + 1 demo
         cluster answered first after 21.1 s, against 14.1 s on both."""

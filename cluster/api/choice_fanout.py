@@ -21,12 +21,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 
-from cluster.request import ClusterRequest, GenerationChunk
+from cluster.flow.request import ClusterRequest, GenerationChunk
 
 _DONE = object()
 MAX_QUEUED_CHUNKS = 64
 """Chunks the merged stream holds for its reader; past it the choices wait, and the
-decode streams behind them fill up and hold their requests (cluster/decode_streams.py)."""
+decode streams behind them fill up and hold their requests (cluster/flow/decode_streams.py)."""
 _LEADER_READY_AFTER = 2
 """Chunks of the leader after which its KV is on the decode worker (the first comes
 from the prefill worker, the second from decode once the import landed)."""
