@@ -4,7 +4,7 @@ bandwidth sweep measured (`pdserve bench bandwidth --crossover PNG`).
 For every sweep point (one server, one KV link cap) the sweep records the prefill
 worker's step costs fitted from its own step trace (`/admin/steps`), the achieved KV
 bandwidth and block size from the receipts, and the measured call overhead; this module
-feeds those into the same prediction `auto` makes (cluster/disaggregation.py) and finds,
+feeds those into the same prediction `auto` makes (cluster/flow/disaggregation.py) and finds,
 per bandwidth, the shortest prompt `auto` sends remote while the decode worker has a
 running batch. The plot draws that curve (remote above, local below) and, for points
 run with `--disaggregation auto`, the path each request actually took.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from cluster.disaggregation import PathInputs, crossover_prompt_len
+from cluster.flow.disaggregation import PathInputs, crossover_prompt_len
 from engine.step_costs import StepCosts, fit_step_costs
 
 MAX_PROMPT = 8192

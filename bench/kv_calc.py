@@ -152,7 +152,7 @@ def format_capacity(c: KvCapacity) -> str:
 
 
 def add_kv_calc_parser(sub) -> None:
-    """Registered as the top-level `pdserve kv-calc` by cluster/cli.py."""
+    """Registered as the top-level `pdserve kv-calc` by cluster/cli/main.py."""
     parser = sub.add_parser(
         "kv-calc",
         help="KV cache bytes per token/block/request and how many fit next to the weights",

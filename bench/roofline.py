@@ -185,7 +185,7 @@ def format_roofline(model_name: str, hardware: HardwareProfile, steps: dict) -> 
 
 
 def add_roofline_parser(sub) -> None:
-    """Registered as the top-level `pdserve roofline` by cluster/cli.py."""
+    """Registered as the top-level `pdserve roofline` by cluster/cli/main.py."""
     parser = sub.add_parser(
         "roofline",
         help="arithmetic intensity, ridge point, bound and lower-bound step time of prefill/decode",

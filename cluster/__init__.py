@@ -1,4 +1,13 @@
-"""Cluster layer: config, controller, router, HTTP frontend, metrics and the CLI."""
+"""Cluster layer, in subpackages by what they hold:
+
+- `cluster.flow`: the request data plane (`PDCluster`, request flow, router, disaggregation)
+- `cluster.control`: the control plane (controller, local head, core plan, metrics)
+- `cluster.api`: the OpenAI-compatible HTTP layer (frontend, protocol, tools)
+- `cluster.cli`: the `pdserve` command line, above everything (it imports `bench` too)
+
+At this root: what all of them share, the config (`config`, `config_flags`), the
+per-request timeline (`timeline`) and the package version.
+"""
 
 import importlib.metadata
 

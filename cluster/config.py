@@ -16,7 +16,7 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 import yaml
 
 from engine.config import EngineConfig, ModelSettings
-from engine.worker_spec import TransferFailurePolicy, WorkerRole, WorkerSpec
+from worker.spec import TransferFailurePolicy, WorkerRole, WorkerSpec
 
 Mode = Literal["disaggregated", "colocated"]
 TransportName = Literal["auto", "shm", "collective", "grpc", "local"]
@@ -58,7 +58,7 @@ class ClusterConfig(ModelSettings):
     """On a CPU cluster started here in disaggregated mode, give each worker its own
     cores and keep the frontend and Ray's own processes on the cores no worker has, or
     else on the decode workers', off the prefill workers', which set the pace under load
-    (cluster/core_plan.py). On 2 cores at 16 streams it served 6-8% more; at one stream
+    (cluster/control/core_plan.py). On 2 cores at 16 streams it served 6-8% more; at one stream
     the decode worker shares its core and TPOT rose ~3 ms. Nothing
     is pinned on GPU pools, a joined Ray cluster, with warm spares, or with more worker
     threads than cores."""

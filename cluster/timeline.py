@@ -15,7 +15,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from engine.kv_cache import KVLayout
-from engine.worker_messages import ImportEvent, PrefillResult
+from worker.messages import ImportEvent, PrefillResult
 
 
 @dataclass

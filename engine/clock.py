@@ -1,6 +1,6 @@
 """The clock that worker-side timings read: this process's monotonic clock.
 
-Workers only ever report durations taken on it (see `engine.worker_messages`), never
+Workers only ever report durations taken on it (see `worker.messages`), never
 a time of day, so nodes whose clocks disagree cannot shift a request's phases. Tests
 prove it by skewing this clock (`PDSERVE_CLOCK_SKEW_S`) in the worker processes.
 """

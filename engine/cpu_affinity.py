@@ -1,6 +1,6 @@
 """Keep a process's threads on a set of cores (Linux; elsewhere a no-op).
 
-A local CPU cluster gives each worker its own cores (`cluster/core_plan.py`). A worker's
+A local CPU cluster gives each worker its own cores (`cluster/control/core_plan.py`). A worker's
 process pins itself as it boots, before its imports (`pin_at_boot`, Ray's setup hook
 on a local head), and again before it builds its engine, so that the OpenMP threads
 its first step creates inherit the worker's cores. Once every worker is up, the

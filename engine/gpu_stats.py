@@ -1,7 +1,7 @@
 """GPU utilisation and memory of the device a worker runs on, read through NVML.
 
 Each worker's `check_health` calls `read_gpu_stats(device)` and puts the dict (or None)
-in its report under `gpu`; `cluster.metrics` turns it into `pdserve_gpu_*` gauges.
+in its report under `gpu`; `cluster.control.metrics` turns it into `pdserve_gpu_*` gauges.
 Where the worker runs on CPU, nvidia-ml-py is missing or NVML does not initialise
 (no driver), the answer is None: the series are absent, never zero, never an error.
 """

@@ -3,7 +3,7 @@
 Every health report carries a `StepCosts` fitted from the engine's last steps
 (`LLMEngine.step_trace`): for steps that only prefilled, seconds = fixed + per-token x
 prefill tokens; for steps that only decoded, seconds = fixed + per-sequence x batch.
-The driver's disaggregation policy (cluster/disaggregation.py) predicts from it how
+The driver's disaggregation policy (cluster/flow/disaggregation.py) predicts from it how
 long a prompt takes to prefill on a given worker. Mixed steps are left out: their
 split between the two kinds is not identifiable from one duration.
 """

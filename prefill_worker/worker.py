@@ -25,15 +25,15 @@ from engine.engine_loop import EngineLoop
 from engine.errors import RequestAbortedError
 from engine.llm_engine import LLMEngine
 from engine.sequence import SequenceOutput
-from engine.worker_actor import EngineActor
-from engine.worker_health import (
+from worker.actor import EngineActor
+from worker.health import (
     StartupTimer,
     engine_state,
     health_report,
     node_ip,
 )
-from engine.worker_messages import ErrorEvent, HealthReport, PrefillRequest, PrefillResult
-from engine.worker_spec import WorkerSpec
+from worker.messages import ErrorEvent, HealthReport, PrefillRequest, PrefillResult
+from worker.spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ import subprocess
 import sys
 import time
 
-from cluster.cluster import PDCluster
 from cluster.config import ClusterConfig
+from cluster.flow.cluster import PDCluster
 from engine.sampling_params import SamplingParams
 from tests.factories import hf_greedy
 

@@ -1,9 +1,9 @@
+"""Fixtures only (pytest injects them by name); helpers are in tests/factories.py."""
+
 from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
 from tests.factories import make_tiny_model
 
 
@@ -18,17 +18,3 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, object]:
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tiny_model_dirs):
     return tiny_model_dirs["llama"]
-
-
-def make_engine(model_dir, **overrides) -> LLMEngine:
-    settings = dict(
-        model=str(model_dir), dtype="float32", block_size=8, num_kv_blocks=256, num_threads=1
-    )
-    settings.update(overrides)
-    return LLMEngine(EngineConfig(**settings))
-
-
-def assert_no_leaks(engine: LLMEngine) -> None:
-    """Every scenario ends here: no sequence left, every KV block back in the pool."""
-    assert not engine.has_unfinished()
-    engine.allocator.assert_all_free()

@@ -1,4 +1,5 @@
-"""Small real objects for tests: tiny random-weight models with a real BPE tokenizer.
+"""Small real objects for tests: tiny random-weight models with a real BPE tokenizer,
+engines over them, and the leak check every engine scenario ends with.
 
 Every tiny model is a genuine HF checkpoint (config.json + safetensors + tokenizer)
 written by transformers itself, so our loader reads exactly what it would read from
@@ -19,6 +20,10 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
 )
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
 
 TINY_VOCAB = 384
 CHAT_TEMPLATE = (
@@ -136,3 +141,41 @@ def _cache_of(out) -> dict:
 @cache
 def _hf_model(model_dir: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+
+
+def make_engine(model_dir, **overrides) -> LLMEngine:
+    settings = dict(
+        model=str(model_dir), dtype="float32", block_size=8, num_kv_blocks=256, num_threads=1
+    )
+    settings.update(overrides)
+    return LLMEngine(EngineConfig(**settings))
+
+
+def assert_no_leaks(engine: LLMEngine) -> None:
+    """Every scenario ends here: no sequence left, every KV block back in the pool."""
+    assert not engine.has_unfinished()
+    engine.allocator.assert_all_free()
+
+
+def prompt_of(length: int, salt: int = 0) -> list[int]:
+    generator = torch.Generator().manual_seed(1000 + 17 * length + salt)
+    return torch.randint(2, 300, (length,), generator=generator).tolist()
+
+
+def our_greedy_with_logits(engine, prompt: list[int], max_new_tokens: int):
+    """Step our engine by hand to capture the logits it sampled from."""
+    engine.add_request(
+        "logits",
+        prompt,
+        SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=True),
+    )
+    step_logits = []
+    while engine.has_unfinished():
+        chunks = engine.scheduler.schedule()
+        result = engine.runner.run(chunks)
+        for chunk in chunks:
+            chunk.seq.num_computed_tokens += chunk.num_new_tokens
+        if result.sampling_seqs:
+            step_logits.append(result.logits[0].clone())  # valid until the next step
+            engine._append_token(result.sampling_seqs[0], int(result.logits[0].argmax()))
+    return torch.stack(step_logits)

@@ -39,7 +39,7 @@ class PeerState:
         if model_dir is None:
             self.pool, self.allocator = random_pool(), BlockAllocator(POOL_BLOCKS)
         else:
-            from tests.conftest import make_engine
+            from tests.factories import make_engine
 
             self.engine = make_engine(model_dir, device=device)
             self.pool, self.allocator = self.engine.kv_pool, self.engine.allocator

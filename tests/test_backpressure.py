@@ -11,14 +11,13 @@ from types import SimpleNamespace
 import pytest
 import ray
 
-from cluster.choice_fanout import MAX_QUEUED_CHUNKS, ChoiceFanout
-from cluster.cluster import PDCluster
-from cluster.decode_streams import HOLD_AT, RESUME_AT, DecodeStreams
+from cluster.api.choice_fanout import MAX_QUEUED_CHUNKS, ChoiceFanout
+from cluster.flow.cluster import PDCluster
+from cluster.flow.decode_streams import HOLD_AT, RESUME_AT, DecodeStreams
 from engine.sampling_params import SamplingParams
 from engine.sequence import SequenceStatus
 from tests.cluster_helpers import assert_cluster_leak_free, collect, tiny_cluster_config
-from tests.conftest import assert_no_leaks, make_engine
-from tests.factories import hf_greedy
+from tests.factories import assert_no_leaks, hf_greedy, make_engine
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 

@@ -33,7 +33,7 @@ from hypothesis.stateful import (
 from engine.errors import InvalidRequestError, RequestAbortedError
 from engine.sampling_params import SamplingParams
 from engine.sequence import SequenceStatus
-from tests.conftest import make_engine
+from tests.factories import make_engine
 
 POOL_BLOCKS = 24
 ENGINE = {}

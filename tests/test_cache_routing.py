@@ -9,17 +9,18 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster.disaggregation import (
+from cluster.control.worker_info import WorkerInfo
+from cluster.flow.disaggregation import (
     Disaggregation,
     PathInputs,
     crossover_prompt_len,
     predict,
 )
-from cluster.router import BALANCE_ABS, BALANCE_REL, LocalPrefill, Router, WorkerInfo
+from cluster.flow.router import BALANCE_ABS, BALANCE_REL, LocalPrefill, Router
 from engine.llm_engine import StepRecord
 from engine.prefix_cache import CacheReport, hash_seed, prompt_hashes
 from engine.step_costs import fit_step_costs
-from engine.worker_messages import HealthReport
+from worker.messages import HealthReport
 
 BLOCK = 16
 SEED = hash_seed("demo", "float32", BLOCK)

@@ -9,8 +9,8 @@ import os
 import pytest
 import ray
 
-from cluster.cluster import PDCluster
-from cluster.local_head import local_head_pids
+from cluster.control.local_head import local_head_pids
+from cluster.flow.cluster import PDCluster
 from engine.cpu_affinity import BOOT_CORES_ENV, pinning_supported, process_cores
 from engine.native.ops import native_kernels
 from tests.cluster_helpers import (
@@ -22,7 +22,7 @@ from tests.cluster_helpers import (
     reference_outputs,
     tiny_cluster_config,
 )
-from tests.conftest import make_engine
+from tests.factories import make_engine
 
 pytestmark = pytest.mark.slow
 
@@ -255,7 +255,7 @@ def _start_with_first_head_stalled(stall_first_start) -> list[dict]:
     stall by `stall_first_start` (a context manager), and checks that the second start
     serves and that the stalled head's processes were killed, not left running."""
     from cluster.config import ClusterConfig
-    from cluster.controller import Controller
+    from cluster.control.controller import Controller
 
     real_init, starts = ray.init, []
 
@@ -284,7 +284,7 @@ def test_a_head_whose_gcs_never_publishes_its_port_is_started_again(monkeypatch)
     """A local head's GCS that publishes no port (seen once in a few hundred starts on the
     2-core machine) is killed and a new head started. Here the first head's wait is cut
     to nothing, so Ray's own start fails as it did there, halfway, with its GCS up."""
-    from cluster.local_head import GCS_PORT_WAIT_ENV
+    from cluster.control.local_head import GCS_PORT_WAIT_ENV
 
     @contextlib.contextmanager
     def no_wait_for_the_port():

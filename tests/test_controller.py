@@ -10,10 +10,11 @@ import time
 import pytest
 
 from cluster.config import ClusterConfig, ConfigError
-from cluster.controller import Controller
-from cluster.core_plan import plan_cores
-from cluster.router import Router, WorkerInfo
-from engine.worker_messages import HealthReport
+from cluster.control.controller import Controller
+from cluster.control.core_plan import plan_cores
+from cluster.control.worker_info import WorkerInfo
+from cluster.flow.router import Router
+from worker.messages import HealthReport
 
 
 class FakeHandle:

@@ -9,8 +9,7 @@ import pytest
 
 from engine.demo_model import prepare_demo_model
 from engine.sampling_params import SamplingParams
-from tests.conftest import assert_no_leaks, make_engine
-from tests.factories import hf_greedy
+from tests.factories import assert_no_leaks, hf_greedy, make_engine
 
 pytestmark = pytest.mark.demo
 
@@ -66,7 +65,7 @@ def test_bf16_logits_are_as_close_to_fp32_as_transformers_bf16(demo_dir):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tests.test_engine_correctness import our_greedy_with_logits
+    from tests.factories import our_greedy_with_logits
 
     engine = make_engine(demo_dir, dtype="bfloat16", block_size=16, num_kv_blocks=128)
     hf_bf16 = AutoModelForCausalLM.from_pretrained(demo_dir, dtype=torch.bfloat16).eval()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.cli import build_parser
+from cluster.cli.main import build_parser
 from cluster.config import ClusterConfig
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"

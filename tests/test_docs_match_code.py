@@ -5,7 +5,8 @@ Every `pdserve ...` command line in README.md and docs/*.md (fenced blocks and i
 code, with backslash continuations joined) is resolved through the real argument
 parser to its subcommand, and each `--flag` on it must be one that subcommand takes.
 Every key in the config table of docs/operations.md must be a `ClusterConfig` field,
-and every field must be in the table.
+and every field must be in the table. Every source file the docs point at
+(`cluster/api/frontend.py`) must exist, so a moved module leaves no old path behind.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.cli import build_parser
+from cluster.cli.main import build_parser
 from cluster.config import ClusterConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,6 +27,11 @@ FLAG = re.compile(r"(?<![\w@+-])--[a-z][a-z0-9-]*")
 SERVE_FLAG = re.compile(r"(?<=[@+])--[a-z][a-z0-9-]*")
 """A `pdserve serve` flag carried by a compare-servers server spec (`name@--x=1+--y=2`)."""
 COMMAND_END = re.compile(r"\s(?:\||&&|;|>|#)\s")
+SOURCE_PATH = re.compile(
+    r"(?<![\w/.-])((?:engine|worker|kv_transfer|prefill_worker|decode_worker|proto|cluster"
+    r"|bench|tests|deploy)/[\w/.-]*\.(?:py|proto|yaml|json|sh))\b"
+)
+"""A path into one of the project's folders, as the docs name a module or a config file."""
 
 
 def command_lines(text: str) -> list[str]:
@@ -103,3 +109,13 @@ def test_config_keys_named_in_yaml_examples_exist():
     for block in re.findall(r"```yaml\n(.*?)```", text, flags=re.S):
         for key in re.findall(r"^([a-z_]+):", block, flags=re.M):
             assert key in valid, f"docs/operations.md yaml example uses unknown key {key!r}"
+
+
+def test_every_source_path_in_the_docs_exists():
+    missing = [
+        f"{doc.name}: {path}"
+        for doc in DOCS
+        for path in SOURCE_PATH.findall(doc.read_text())
+        if not (ROOT / path).exists()
+    ]
+    assert missing == []

@@ -6,35 +6,16 @@ import pytest
 import torch
 
 from engine.sampling_params import SamplingParams
-from tests.conftest import assert_no_leaks, make_engine
-from tests.factories import hf_greedy
+from tests.factories import (
+    assert_no_leaks,
+    hf_greedy,
+    make_engine,
+    our_greedy_with_logits,
+    prompt_of,
+)
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 PROMPT_LENGTHS = [1, 5, 8, 13, 30, 41]
-
-
-def prompt_of(length: int, salt: int = 0) -> list[int]:
-    generator = torch.Generator().manual_seed(1000 + 17 * length + salt)
-    return torch.randint(2, 300, (length,), generator=generator).tolist()
-
-
-def our_greedy_with_logits(engine, prompt: list[int], max_new_tokens: int):
-    """Step our engine by hand to capture the logits it sampled from."""
-    engine.add_request(
-        "logits",
-        prompt,
-        SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=True),
-    )
-    step_logits = []
-    while engine.has_unfinished():
-        chunks = engine.scheduler.schedule()
-        result = engine.runner.run(chunks)
-        for chunk in chunks:
-            chunk.seq.num_computed_tokens += chunk.num_new_tokens
-        if result.sampling_seqs:
-            step_logits.append(result.logits[0].clone())  # valid until the next step
-            engine._append_token(result.sampling_seqs[0], int(result.logits[0].argmax()))
-    return torch.stack(step_logits)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])

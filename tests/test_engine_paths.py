@@ -31,9 +31,7 @@ from engine.native.ops import (
 )
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk
-from tests.conftest import assert_no_leaks, make_engine
-from tests.factories import hf_greedy
-from tests.test_engine_correctness import prompt_of
+from tests.factories import assert_no_leaks, hf_greedy, make_engine, prompt_of
 
 needs_native = pytest.mark.skipif(native_kernels() is None, reason="no C compiler here")
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

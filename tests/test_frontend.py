@@ -417,7 +417,7 @@ def test_a_model_and_the_version_are_served_on_their_own(server, model_id):
     missing = get(server, "/v1/models/gpt-17")
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "model_not_found"
     from cluster import package_version
-    from cluster.cli import build_parser
+    from cluster.cli.main import build_parser
 
     assert get(server, "/version").json() == {"version": package_version()}
     with pytest.raises(SystemExit) as printed:

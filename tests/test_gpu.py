@@ -16,9 +16,14 @@ import torch
 
 from engine.sampling_params import SamplingParams
 from kv_transfer import ExportTicket, TransportOptions, make_receiver
-from tests.conftest import assert_no_leaks, make_engine
-from tests.factories import _hf_model, hf_greedy
-from tests.test_engine_correctness import our_greedy_with_logits, prompt_of
+from tests.factories import (
+    _hf_model,
+    assert_no_leaks,
+    hf_greedy,
+    make_engine,
+    our_greedy_with_logits,
+    prompt_of,
+)
 from tests.test_kv_transfer_contract import import_and_decode, moves_a_prompt_in_one_process
 
 pytestmark = [

@@ -11,8 +11,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError, OutOfBlocksError
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
-from tests.conftest import assert_no_leaks, make_engine
-from tests.test_engine_correctness import prompt_of
+from tests.factories import assert_no_leaks, make_engine, prompt_of
 
 
 def test_allocator_refcounts_free_list_and_leak_check():

@@ -14,7 +14,7 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from kv_transfer import ExportTicket, TransportOptions, make_receiver, make_sender
-from tests.conftest import assert_no_leaks, make_engine
+from tests.factories import assert_no_leaks, make_engine
 from tests.kv_transfer_peer import Peer
 
 PROMPT = [5 + (i * 7) % 300 for i in range(37)]  # 5 blocks of 8, the last one partial

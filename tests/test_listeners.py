@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from bench.server_process import ServerProcess
-from cluster.ray_access import is_loopback
+from cluster.control.ray_access import is_loopback
 from tests.cluster_helpers import assert_gcs_refuses_strangers
 
 pytestmark = pytest.mark.slow

@@ -19,11 +19,11 @@ import time
 
 import pytest
 
-from cluster.openai_protocol import parse_body
-from cluster.request_limits import RequestLimits
+from cluster.api.openai_protocol import parse_body
+from cluster.api.request_limits import RequestLimits
 from engine.demo_model import prepare_demo_model
 from engine.sampling_params import SamplingParams
-from tests.conftest import assert_no_leaks, make_engine
+from tests.factories import assert_no_leaks, make_engine
 
 pytestmark = pytest.mark.demo
 

@@ -22,10 +22,10 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.server_process import ServerProcess
-from cluster.metrics import ClusterMetrics
+from cluster.control.metrics import ClusterMetrics
 from cluster.timeline import RequestTimeline
 from engine.block_manager import blocks_needed
-from engine.worker_messages import HealthReport
+from worker.messages import HealthReport
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS_BIN = ROOT / ".tools" / "prometheus" / "usr" / "bin"

@@ -10,8 +10,8 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from cluster.cluster import PDCluster
-from cluster.ray_access import AUTH_MODE_ENV, AUTH_TOKEN_ENV, reload_auth_settings
+from cluster.control.ray_access import AUTH_MODE_ENV, AUTH_TOKEN_ENV, reload_auth_settings
+from cluster.flow.cluster import PDCluster
 from tests.cluster_helpers import (
     assert_cluster_leak_free,
     assert_gcs_refuses_strangers,

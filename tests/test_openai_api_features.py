@@ -19,8 +19,7 @@ from pydantic import BaseModel, Field
 from bench.server_process import ServerProcess
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
-from tests.conftest import make_engine
-from tests.factories import CHAT_TEMPLATE, _hf_model
+from tests.factories import CHAT_TEMPLATE, _hf_model, make_engine
 
 pytestmark = pytest.mark.slow
 

@@ -10,11 +10,10 @@ import signal
 import pytest
 import torch
 
-from cluster.cluster import PDCluster
+from cluster.flow.cluster import PDCluster
 from engine.sampling_params import SamplingParams, StructuredSpec
 from tests.cluster_helpers import assert_cluster_leak_free, tiny_cluster_config
-from tests.conftest import make_engine
-from tests.factories import _hf_model
+from tests.factories import _hf_model, make_engine
 
 pytestmark = pytest.mark.slow
 

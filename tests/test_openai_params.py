@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from cluster.openai_protocol import ApiError, parse_body
-from cluster.tools import ToolCallReader, ToolChoice, tool_grammar, with_tools_preamble
-from engine.tool_parsers import HermesToolParser, ParsedToolCall
+from cluster.api.openai_protocol import ApiError, parse_body
+from cluster.api.tool_parsers import HermesToolParser, ParsedToolCall
+from cluster.api.tools import ToolCallReader, ToolChoice, tool_grammar, with_tools_preamble
 
 TOOLS = [
     {
@@ -148,7 +148,7 @@ def test_chat_template_options_reach_the_template():
 def test_messages_the_chat_template_refuses_are_a_400(tiny_llama_dir):
     """A template's raise_exception (Llama 2's and Mistral's "roles must alternate") or a
     final message transformers cannot leave open is the client's mistake, not a 500."""
-    from cluster.tokenize_api import chat_prompt_ids
+    from cluster.api.tokenize_api import chat_prompt_ids
     from engine.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(tiny_llama_dir)

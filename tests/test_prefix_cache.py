@@ -8,8 +8,7 @@ import pytest
 
 from engine.prefix_cache import PrefixCache, hash_seed, prompt_hashes, salted_root
 from engine.sampling_params import SamplingParams
-from tests.conftest import assert_no_leaks, make_engine
-from tests.factories import hf_greedy
+from tests.factories import assert_no_leaks, hf_greedy, make_engine
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 BLOCK = 8

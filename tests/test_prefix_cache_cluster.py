@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import ray
 
-from cluster.cluster import PDCluster
+from cluster.flow.cluster import PDCluster
 from engine.block_manager import blocks_needed
 from tests.cluster_helpers import GREEDY, assert_cluster_leak_free, collect, tiny_cluster_config
 from tests.factories import hf_greedy

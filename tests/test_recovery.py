@@ -15,11 +15,11 @@ import time
 
 import pytest
 
-from cluster.cluster import PDCluster
-from cluster.disaggregation import Disaggregation, PathChoice
+from cluster.flow.cluster import PDCluster
+from cluster.flow.disaggregation import Disaggregation, PathChoice
 from engine.sampling_params import SamplingParams
 from tests.cluster_helpers import assert_cluster_leak_free, reference_outputs, tiny_cluster_config
-from tests.conftest import make_engine
+from tests.factories import make_engine
 
 pytestmark = pytest.mark.slow
 

@@ -15,16 +15,17 @@ from cluster.config import (
     ClusterConfig,
     ConfigError,
 )
-from cluster.disaggregation import Disaggregation, PathChoice
-from cluster.request import ClusterRequest, RequestFailedError
-from cluster.request_flow import RequestFlow
-from cluster.router import Router, WorkerInfo
+from cluster.control.worker_info import WorkerInfo
+from cluster.flow.disaggregation import Disaggregation, PathChoice
+from cluster.flow.request import ClusterRequest, RequestFailedError
+from cluster.flow.request_flow import RequestFlow
+from cluster.flow.router import Router
 from cluster.timeline import RequestTimeline
 from engine.errors import InvalidRequestError, RequestAbortedError
 from engine.sampling_params import SamplingParams
 from engine.sequence import SequenceStatus
-from engine.worker_messages import ErrorEvent, ImportEvent, PrefillResult, TokenEvent
-from tests.conftest import assert_no_leaks, make_engine
+from tests.factories import assert_no_leaks, make_engine
+from worker.messages import ErrorEvent, ImportEvent, PrefillResult, TokenEvent
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
@@ -259,7 +260,7 @@ def test_pools_too_small_for_one_max_length_sequence_are_refused(tiny_llama_dir)
         config.check_pools(512)
     config.replace(max_model_len=80).check_pools(80)
 
-    from cluster.cluster import PDCluster
+    from cluster.flow.cluster import PDCluster
 
     with pytest.raises(ConfigError, match="decode_kv_blocks"):
         PDCluster(config)  # before any Ray actor starts

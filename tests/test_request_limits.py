@@ -1,4 +1,4 @@
-"""Per-request limits (cluster/request_limits.py): each one refuses a body past it with a
+"""Per-request limits (cluster/api/request_limits.py): each one refuses a body past it with a
 400 naming the parameter and the limit, through the parser and through the HTTP app;
 repeated stop_token_ids count once; `pdserve serve` has a flag per limit (no Ray)."""
 
@@ -13,11 +13,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster.cli import build_parser
-from cluster.frontend import FrontendSettings, build_app
-from cluster.metrics import ClusterMetrics
-from cluster.openai_protocol import ApiError, parse_body
-from cluster.request_limits import RequestLimits, limits_from_args
+from cluster.api.frontend import FrontendSettings, build_app
+from cluster.api.openai_protocol import ApiError, parse_body
+from cluster.api.request_limits import RequestLimits, limits_from_args
+from cluster.cli.main import build_parser
+from cluster.control.metrics import ClusterMetrics
 
 SMALL = RequestLimits(
     max_logit_bias_entries=2,

@@ -7,8 +7,7 @@ import torch
 
 from engine.sampler import Sampler, greedy_tokens
 from engine.sampling_params import SamplingParams
-from tests.conftest import assert_no_leaks, make_engine
-from tests.test_engine_correctness import prompt_of
+from tests.factories import assert_no_leaks, make_engine, prompt_of
 
 
 def sampled(engine, prompts, params):

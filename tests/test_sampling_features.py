@@ -14,9 +14,7 @@ import torch
 from engine.penalties import RowHistory
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams, StructuredSpec
-from tests.conftest import assert_no_leaks, make_engine
-from tests.factories import _hf_model
-from tests.test_engine_correctness import prompt_of
+from tests.factories import _hf_model, assert_no_leaks, make_engine, prompt_of
 
 TOLERANCE = 1e-4
 

@@ -16,8 +16,7 @@ from engine import shaping_state
 from engine.penalties import RowHistory, apply_logit_bias, ban_stops_before_min_tokens
 from engine.sampling_params import SamplingParams
 from engine.shaping_state import TokenCounts, logit_bias_of
-from tests.conftest import assert_no_leaks, make_engine
-from tests.test_engine_correctness import prompt_of
+from tests.factories import assert_no_leaks, make_engine, prompt_of
 
 VOCAB = 9
 

@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from engine import weight_cache
-from tests.conftest import make_engine
-from tests.test_engine_correctness import our_greedy_with_logits, prompt_of
+from tests.factories import make_engine, our_greedy_with_logits, prompt_of
 
 
 @pytest.fixture()
