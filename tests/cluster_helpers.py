@@ -103,3 +103,16 @@ def assert_gcs_refuses_strangers(address: str, home) -> None:
         )
         assert answer.returncode == 1, answer.stdout
         assert "InvalidAuthToken" in answer.stdout, answer.stdout
+
+
+def run_cluster(config: ClusterConfig, scenario):
+    """Start a cluster of `config`, run `await scenario(cluster)` on it, shut it down."""
+
+    async def main():
+        cluster = await PDCluster(config).start()
+        try:
+            return await scenario(cluster)
+        finally:
+            await cluster.shutdown()
+
+    return asyncio.run(main())

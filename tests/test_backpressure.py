@@ -12,11 +12,15 @@ import pytest
 import ray
 
 from cluster.api.choice_fanout import MAX_QUEUED_CHUNKS, ChoiceFanout
-from cluster.flow.cluster import PDCluster
 from cluster.flow.decode_streams import HOLD_AT, RESUME_AT, DecodeStreams
 from engine.sampling_params import SamplingParams
 from engine.sequence import SequenceStatus
-from tests.cluster_helpers import assert_cluster_leak_free, collect, tiny_cluster_config
+from tests.cluster_helpers import (
+    assert_cluster_leak_free,
+    collect,
+    run_cluster,
+    tiny_cluster_config,
+)
 from tests.factories import assert_no_leaks, hf_greedy, make_engine
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -205,15 +209,8 @@ def test_a_stream_nobody_reads_is_held_on_its_decode_worker_and_ends_whole(tiny_
         await assert_cluster_leak_free(cluster)
         return tokens
 
-    async def main():
-        cluster = await PDCluster(config).start()
-        try:
-            return await scenario(cluster)
-        finally:
-            await cluster.shutdown()
-
     try:
-        tokens = asyncio.run(main())
+        tokens = run_cluster(config, scenario)
     finally:
         ray.shutdown()
     assert tokens == hf_greedy(tiny_llama_dir, prompt, 160)[0]

@@ -10,7 +10,6 @@ import pytest
 import ray
 
 from cluster.control.local_head import local_head_pids
-from cluster.flow.cluster import PDCluster
 from engine.cpu_affinity import BOOT_CORES_ENV, pinning_supported, process_cores
 from engine.native.ops import native_kernels
 from tests.cluster_helpers import (
@@ -20,6 +19,7 @@ from tests.cluster_helpers import (
     generate_all,
     mixed_prompts,
     reference_outputs,
+    run_cluster,
     tiny_cluster_config,
 )
 from tests.factories import make_engine
@@ -38,17 +38,6 @@ def ray_session():
     yield
     if ray.is_initialized():
         ray.shutdown()
-
-
-def run_cluster(config, scenario):
-    async def main():
-        cluster = await PDCluster(config).start()
-        try:
-            return await scenario(cluster)
-        finally:
-            await cluster.shutdown()
-
-    return asyncio.run(main())
 
 
 @pytest.mark.parametrize(
