@@ -178,7 +178,14 @@ class BlockVerifier:
         if copy_hash is None:
             return 0
         digests = np.empty(count, dtype=np.uint64)
-        if copy_hash(src.ctypes.data, dst.ctypes.data, size, count, digests.ctypes.data):
+        refused = copy_hash(
+            src=src.ctypes.data,
+            dst=dst.ctypes.data,
+            block_nbytes=size,
+            count=count,
+            out=digests.ctypes.data,
+        )
+        if refused:
             return 0  # a block too small for the kernel's long-input path
         for i, digest in enumerate(digests.tolist()):
             self._check(first + i, digest)

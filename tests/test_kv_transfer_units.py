@@ -226,15 +226,15 @@ def test_native_copy_hash_equals_the_xxhash_package_at_every_length_class():
         start = -space.ctypes.data % 64 + dst_offset
         dst = space[start : start + count * length]
         copied, hashed = np.zeros(count, np.uint64), np.zeros(count, np.uint64)
-        assert (
-            kernels.copy_xxh3_blocks(
-                src.ctypes.data, dst.ctypes.data, length, count, copied.ctypes.data
+        for destination, digests in ((dst.ctypes.data, copied), (None, hashed)):
+            status = kernels.copy_xxh3_blocks(
+                src=src.ctypes.data,
+                dst=destination,
+                block_nbytes=length,
+                count=count,
+                out=digests.ctypes.data,
             )
-            == 0
-        )
-        assert (
-            kernels.copy_xxh3_blocks(src.ctypes.data, None, length, count, hashed.ctypes.data) == 0
-        )
+            assert status == 0
         expected = [
             xxhash.xxh3_64_intdigest(src[i * length : (i + 1) * length]) for i in range(count)
         ]
@@ -242,7 +242,10 @@ def test_native_copy_hash_equals_the_xxhash_package_at_every_length_class():
         assert np.array_equal(dst, src)
         assert not space[:start].any() and not space[start + count * length :].any()
     out = np.zeros(1, np.uint64)
-    assert kernels.copy_xxh3_blocks(src.ctypes.data, None, 240, 1, out.ctypes.data) == -1
+    refused = kernels.copy_xxh3_blocks(
+        src=src.ctypes.data, dst=None, block_nbytes=240, count=1, out=out.ctypes.data
+    )
+    assert refused == -1
 
 
 def test_plan_pieces_are_contiguous_on_both_sides():
