@@ -1,4 +1,4 @@
-"""Compile the C kernels (`*.c`, `native.h`) once per machine.
+"""Compile the C kernels (`*.c`, `native.h`, xxHash's `xxhash.h`) once per machine.
 
 Called by `engine.native.ops.native_kernels()` the first time a process wants the
 float32 CPU kernels, and by `python -m engine.native` (the Docker image's build runs it
@@ -75,7 +75,7 @@ def _cpu_model() -> str:
     return "unknown"
 
 
-HEADERS = ("native.h",)
+HEADERS = ("native.h", "xxhash.h")
 """Headers the sources include; with the `.c` files, what the package must ship."""
 
 
