@@ -6,11 +6,12 @@ Transports feed a `BlockVerifier` as bytes land (`landed`), so each block is sum
 while it is still in cache (and, for collective, while the next piece is in flight);
 `finish` sums whatever was not fed. Copying transports (shm, local, gRPC on CPU pools)
 let it do the copy (`copy_piece`): where the native kernels are built, each whole
-block is copied and hashed in one pass (engine/native/checksum.c: the hash reads the
-registers the copy loaded, so verifying costs no extra pass over the bytes); elsewhere,
-and for a block a piece cuts, in L2-sized steps, every step summed right behind its
-copy, so the sum reads the bytes from L2 instead of memory. Any mismatch fails the whole transfer with CHECKSUM and names the blocks (the
-caller frees its destination blocks, as for any failure).
+block is copied and hashed in one pass (engine/native/checksum.c: xxHash's XXH3 reads
+each 2 KiB step from L1 right behind its copy, so verifying costs no extra pass over
+memory); elsewhere, and for a block a piece cuts, in L2-sized steps, every step summed
+right behind its copy, so the sum reads the bytes from L2 instead of memory. Any
+mismatch fails the whole transfer with CHECKSUM and names the blocks (the caller frees
+its destination blocks, as for any failure).
 
 Two algorithms, named in the ticket so both ends agree:
 - `xxh3_64` (default): XXH3 from the `xxhash` library, 64 bits over the block's bytes.
@@ -55,15 +56,11 @@ the GIL between copy lanes than they gain in cache hits."""
 
 @functools.cache
 def _fused_copy_hash():
-    """The native XXH3-64 copy-and-hash of whole blocks, or None where the kernels
-    cannot be built (no compiler) or have no vector path for this CPU (checksum.c has
-    AVX2 and AVX-512 ones; its generic code hashed at a quarter of the xxhash package's
-    speed): then `copy_piece` copies and hashes in steps."""
+    """The native XXH3-64 copy-and-hash of whole blocks (xxHash's code, fused with the
+    copy in engine/native/checksum.c), or None where the kernels cannot be built (no
+    compiler): then `copy_piece` copies and hashes in steps."""
     from engine.native.ops import native_kernels  # not at import: it may compile
-    from engine.platform import cpu_flags
 
-    if not {"avx2", "avx512f"} & cpu_flags():
-        return None
     kernels = native_kernels()
     return None if kernels is None else kernels.copy_xxh3_blocks
 
@@ -178,8 +175,13 @@ class BlockVerifier:
         if copy_hash is None:
             return 0
         digests = np.empty(count, dtype=np.uint64)
-        if copy_hash(src.ctypes.data, dst.ctypes.data, size, count, digests.ctypes.data):
-            return 0  # a block too small for the kernel's long-input path
+        copy_hash(
+            src=src.ctypes.data,
+            dst=dst.ctypes.data,
+            block_nbytes=size,
+            count=count,
+            out=digests.ctypes.data,
+        )
         for i, digest in enumerate(digests.tolist()):
             self._check(first + i, digest)
         return count * size

@@ -71,3 +71,36 @@ def test_every_serve_command_line_in_the_manifests_parses():
     for where, flags in lines.items():
         args = build_parser().parse_args(["serve", *flags])
         assert args.command == "serve", where
+
+
+def dockerfile_instructions() -> list[str]:
+    """The Dockerfile's instructions, each with its continuation lines joined, comments
+    dropped."""
+    instructions, current = [], ""
+    for line in (DEPLOY / "docker" / "Dockerfile").read_text().splitlines():
+        if not current and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        current += " " + line.strip().removesuffix("\\")
+        if not line.rstrip().endswith("\\"):
+            instructions.append(current.strip())
+            current = ""
+    return instructions
+
+
+def test_the_image_keeps_a_compiler_and_builds_the_kernels_it_installed():
+    """The image runs the native kernels, not the torch fallback: it installs gcc and the
+    C library headers, installs the package non-editably (the sources ship as package
+    data: tests/test_native_install.py), and compiles them during the build as the user
+    that serves, so a broken toolchain fails the build."""
+    instructions = dockerfile_instructions()
+    apt = next(text for text in instructions if "apt-get install" in text)
+    assert {"gcc", "libc6-dev"} <= set(apt.split())
+    (install,) = [
+        i for i, text in enumerate(instructions) if "pip install /tmp/pdserve-src" in text
+    ]
+    assert " -e " not in instructions[install]
+    user = instructions.index("USER pdserve")
+    build = instructions.index("RUN python -m engine.native")
+    (entrypoint,) = [i for i, text in enumerate(instructions) if text.startswith("ENTRYPOINT")]
+    assert install < user < build < entrypoint
+    assert (Path(__file__).resolve().parents[1] / "engine" / "native" / "__main__.py").is_file()

@@ -184,11 +184,11 @@ def test_bf16_linear_is_float64_over_bf16_inputs(rows, shape, prologue, tiles):
     packed = ops.prepare_linear(projection)
     out = start.clone()
 
-    kernels.library.pd_use_amx(int(tiles == "amx"))
+    kernels.use_amx(wanted=int(tiles == "amx"))
     try:
         ops._linear(x, packed, out, prologue, norm_weight, accumulate=True)
     finally:
-        kernels.library.pd_use_amx(int(kernels.amx))
+        kernels.use_amx(wanted=int(kernels.amx))
 
     reference = reference_linear(x, projection, prologue, norm_weight, 1e-5, bf16=True)
     expected = start.double() + reference
@@ -601,8 +601,8 @@ def test_native_greedy_is_numpys_argmax_across_the_threads_columns(threads):
     """The fused step's greedy tokens come from each thread's columns, merged: the first
     of equal maxima wins across a thread boundary, a NaN wins over any number (the first
     NaN), a row of -inf gives 0, and the partial strip's columns count too."""
-    library = native_kernels().library
-    vocab = 5 * library.pd_strip_width() + 3
+    kernels = native_kernels()
+    vocab = 5 * kernels.strip + 3
     rows = torch.randn(6, vocab)
     rows[1, [7, vocab - 2]] = 50.0  # ties: the first one, whoever's columns hold them
     rows[2, vocab // 2 + 1] = float("nan")
@@ -612,7 +612,13 @@ def test_native_greedy_is_numpys_argmax_across_the_threads_columns(threads):
     rows[5, 3] = float("nan")
     rows[5, 4] = float("inf")
     tokens = (ctypes.c_int64 * rows.shape[0])()
-    library.pd_greedy_rows(rows.data_ptr(), rows.shape[0], vocab, tokens, threads)
+    kernels.greedy_rows(
+        x=rows.data_ptr(),
+        rows=rows.shape[0],
+        N=vocab,
+        tokens=ctypes.addressof(tokens),
+        nthreads=threads,
+    )
     expected = [int(rows[0].argmax()), 7, vocab // 2 + 1, 0, vocab - 1, 3]
     assert list(tokens) == rows.numpy().argmax(axis=-1).tolist() == expected
 

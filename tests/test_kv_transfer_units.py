@@ -180,6 +180,16 @@ def test_native_copy_hash_fails_a_block_changed_after_its_export():
 
 
 XXH3_LENGTHS = [
+    1,
+    3,
+    4,
+    8,
+    9,
+    16,
+    17,
+    128,
+    129,
+    240,
     241,
     255,
     256,
@@ -200,16 +210,15 @@ XXH3_LENGTHS = [
     737280,
     (1 << 20) + 63,
 ]
-"""Lengths around each edge of XXH3's long path: the 240-byte limit, the 64-byte
-stripe, the 1 KiB block and the tail re-read from the end."""
+"""Lengths around each edge of XXH3's paths (1-3, 4-8, 9-16, 17-128, 129-240 bytes and
+the long path), its 64-byte stripe and 1 KiB block, and checksum.c's 2 KiB copy step."""
 
 
 def test_native_copy_hash_equals_the_xxhash_package_at_every_length_class():
-    """engine/native/checksum.c: XXH3-64 of whole blocks, with or without their copy,
-    equals the xxhash package's digest (senders hash with the package), the copy is
-    exact (into a 64-byte aligned destination, where blocks of whole stripes are
-    streamed around the cache, and into an unaligned one), and a block within the
-    240-byte short path is refused."""
+    """engine/native/checksum.c: XXH3-64 (seed 0) of whole blocks, with or without their
+    copy, equals the xxhash package's digest, the one senders compute and peers of every
+    version agree on; the copy is exact, into a 64-byte aligned destination (blocks of
+    whole 64-byte lines are then streamed around the cache) and into an unaligned one."""
     import xxhash
 
     from engine.native.ops import native_kernels
@@ -226,23 +235,37 @@ def test_native_copy_hash_equals_the_xxhash_package_at_every_length_class():
         start = -space.ctypes.data % 64 + dst_offset
         dst = space[start : start + count * length]
         copied, hashed = np.zeros(count, np.uint64), np.zeros(count, np.uint64)
-        assert (
-            kernels.copy_xxh3_blocks(
-                src.ctypes.data, dst.ctypes.data, length, count, copied.ctypes.data
+        for destination, digests in ((dst.ctypes.data, copied), (None, hashed)):
+            status = kernels.copy_xxh3_blocks(
+                src=src.ctypes.data,
+                dst=destination,
+                block_nbytes=length,
+                count=count,
+                out=digests.ctypes.data,
             )
-            == 0
-        )
-        assert (
-            kernels.copy_xxh3_blocks(src.ctypes.data, None, length, count, hashed.ctypes.data) == 0
-        )
+            assert status == 0
         expected = [
             xxhash.xxh3_64_intdigest(src[i * length : (i + 1) * length]) for i in range(count)
         ]
         assert copied.tolist() == expected == hashed.tolist(), (length, dst_offset)
         assert np.array_equal(dst, src)
         assert not space[:start].any() and not space[start + count * length :].any()
+
+
+def test_native_copy_hash_refuses_an_empty_block_size():
+    from engine.native.ops import native_kernels
+
+    kernels = native_kernels()
+    if kernels is None:
+        pytest.skip("no C compiler: the receiver hashes in Python")
     out = np.zeros(1, np.uint64)
-    assert kernels.copy_xxh3_blocks(src.ctypes.data, None, 240, 1, out.ctypes.data) == -1
+    data = np.zeros(8, np.uint8)
+    assert (
+        kernels.copy_xxh3_blocks(
+            src=data.ctypes.data, dst=None, block_nbytes=0, count=1, out=out.ctypes.data
+        )
+        == -1
+    )
 
 
 def test_plan_pieces_are_contiguous_on_both_sides():

@@ -28,15 +28,15 @@ class NativePagedAttention(TorchPagedAttention):
     def _decode(self, q, kv_pool, layer: int, meta: AttentionMetadata, scale, out) -> None:
         tables = meta.decode_block_tables
         status = self.kernels.decode_attention(
-            *_query_and_pool(q, kv_pool, layer),
-            tables.data_ptr(),
-            tables.stride(0),
-            meta.decode_context_lens.data_ptr(),
-            scale,
-            out.data_ptr(),
-            out.stride(0),
-            torch.get_num_threads(),
-            kv_pool.holds_bf16,
+            **_query_and_pool(q, kv_pool, layer, "R"),
+            block_tables=tables.data_ptr(),
+            table_stride=tables.stride(0),
+            context_lens=meta.decode_context_lens.data_ptr(),
+            scale=scale,
+            out=out.data_ptr(),
+            ldo=out.stride(0),
+            nthreads=torch.get_num_threads(),
+            kv_bf16=kv_pool.holds_bf16,
         )
         if status != 0:
             super()._decode(q, kv_pool, layer, meta, scale, out)
@@ -47,14 +47,14 @@ class NativePagedAttention(TorchPagedAttention):
             return super()._prefill(q, k, v, kv_pool, layer, chunk, scale)
         out = torch.empty(num_rows, num_heads, head_dim)
         status = self.kernels.prefill_attention(
-            *_query_and_pool(q, kv_pool, layer),
-            chunk.block_table.data_ptr(),
-            chunk.context_start,
-            scale,
-            out.data_ptr(),
-            num_heads * head_dim,
-            torch.get_num_threads(),
-            kv_pool.holds_bf16,
+            **_query_and_pool(q, kv_pool, layer, "T"),
+            table=chunk.block_table.data_ptr(),
+            context_start=chunk.context_start,
+            scale=scale,
+            out=out.data_ptr(),
+            ldo=num_heads * head_dim,
+            nthreads=torch.get_num_threads(),
+            kv_bf16=kv_pool.holds_bf16,
         )
         if status != 0:
             return super()._prefill(q, k, v, kv_pool, layer, chunk, scale)
@@ -67,36 +67,37 @@ class NativePagedAttention(TorchPagedAttention):
         shape = (1, num_kv_heads, context_len, head_dim)
         key_out, value_out = torch.empty(shape), torch.empty(shape)
         self.kernels.gather_kv(
-            keys.data_ptr(),
-            values.data_ptr(),
-            keys.stride(0),
-            keys.shape[1],
-            num_kv_heads,
-            head_dim,
-            chunk.block_table.data_ptr(),
-            context_len,
-            key_out.data_ptr(),
-            value_out.data_ptr(),
-            torch.get_num_threads(),
-            kv_pool.holds_bf16,
+            k_cache=keys.data_ptr(),
+            v_cache=values.data_ptr(),
+            block_stride=keys.stride(0),
+            block_size=keys.shape[1],
+            Hkv=num_kv_heads,
+            D=head_dim,
+            table=chunk.block_table.data_ptr(),
+            n=context_len,
+            k_out=key_out.data_ptr(),
+            v_out=value_out.data_ptr(),
+            nthreads=torch.get_num_threads(),
+            kv_bf16=kv_pool.holds_bf16,
         )
         return key_out, value_out
 
 
-def _query_and_pool(q: torch.Tensor, kv_pool, layer: int) -> tuple:
-    """The arguments both attention kernels start with: the query rows [R, Hq, D] (heads
-    contiguous within a row) and the layer's keys and values in the pool."""
+def _query_and_pool(q: torch.Tensor, kv_pool, layer: int, rows: str) -> dict[str, int]:
+    """The arguments both attention kernels start with: the query rows [rows, Hq, D]
+    (heads contiguous within a row; `rows` names their count: R for decode, T for a
+    prefill chunk) and the layer's keys and values in the pool."""
     num_rows, num_heads, head_dim = q.shape
     keys, values = kv_pool.layer_view(layer, 0), kv_pool.layer_view(layer, 1)
-    return (
-        q.data_ptr(),
-        q.stride(0),
-        num_rows,
-        num_heads,
-        keys.shape[2],
-        head_dim,
-        keys.data_ptr(),
-        values.data_ptr(),
-        keys.stride(0),
-        keys.shape[1],
-    )
+    return {
+        "q": q.data_ptr(),
+        "ldq": q.stride(0),
+        rows: num_rows,
+        "Hq": num_heads,
+        "Hkv": keys.shape[2],
+        "D": head_dim,
+        "k_cache": keys.data_ptr(),
+        "v_cache": values.data_ptr(),
+        "block_stride": keys.stride(0),
+        "block_size": keys.shape[1],
+    }

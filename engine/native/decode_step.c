@@ -81,6 +81,14 @@ typedef struct {
   int64_t *greedy; /* rows: each row's argmax token (greedy.c), or NULL: not wanted */
 } pd_decode_batch;
 
+/* The sizes of the structs above, for engine/native/bindings.py to check its ctypes
+ * copies against when it loads the library. */
+void pd_struct_sizes(long *sizes) {
+  sizes[0] = (long)sizeof(pd_layer_weights);
+  sizes[1] = (long)sizeof(pd_model);
+  sizes[2] = (long)sizeof(pd_decode_batch);
+}
+
 static void embed_rows(const pd_model *m, const pd_decode_batch *b, int t, int nt) {
   long H = m->hidden;
   for (long r = t; r < b->rows; r += nt) {

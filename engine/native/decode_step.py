@@ -20,55 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.native.bindings import SCRATCH_BUFFERS, DecodeBatch, LayerWeights, Model
 from engine.native.ops import NativeKernels, PackedLinear
-
-_P, _L, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
-
-
-class _LayerWeights(ctypes.Structure):
-    _fields_ = [
-        (name, _P)
-        for name in (
-            "input_norm",
-            "post_norm",
-            "qkv",
-            "qkv_bias",
-            "o_proj",
-            "o_bias",
-            "gate_up",
-            "down",
-        )
-    ]
-
-
-class _Model(ctypes.Structure):
-    _fields_ = [
-        *((name, _L) for name in ("num_layers", "hidden", "intermediate", "num_heads")),
-        *((name, _L) for name in ("num_kv_heads", "head_dim", "vocab")),
-        ("eps", _F),
-        ("scale", _F),
-        ("layers", ctypes.POINTER(_LayerWeights)),
-        *((name, _P) for name in ("final_norm", "lm_head", "embed", "rope_cos", "rope_sin")),
-        ("weights_bf16", ctypes.c_int),
-    ]
-
-
-_BATCH_POINTERS = ("tokens", "positions", "slot_blocks", "slot_offsets", "block_tables")
-_SCRATCH_BUFFERS = ("residual", "qkv", "attn", "gate_up", "scratch")
-_BATCH_BUFFERS = (*_SCRATCH_BUFFERS, "logits")
-
-
-class _DecodeBatch(ctypes.Structure):
-    _fields_ = [
-        ("rows", _L),
-        *((name, _P) for name in (*_BATCH_POINTERS, "context_lens")),
-        ("table_stride", _L),
-        ("kv", _P),
-        *((name, _L) for name in ("block_stride", "layer_stride", "kind_stride", "block_size")),
-        *((name, _P) for name in _BATCH_BUFFERS),
-        ("kv_bf16", ctypes.c_int),
-        ("greedy", _P),
-    ]
 
 
 @dataclass
@@ -116,19 +69,12 @@ class FusedDecode:
 
     def __init__(self, kernels: NativeKernels, model):
         self.kernels = kernels
-        self.library = kernels.library
-        self.library.pd_decode_step.argtypes = [
-            ctypes.POINTER(_Model),
-            ctypes.POINTER(_DecodeBatch),
-            ctypes.c_int,
-        ]
-        self.library.pd_decode_step.restype = ctypes.c_int
         spec, weights = model.spec, model.weights
         self.spec = spec
         self.qkv_width = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
-        self._layers = (_LayerWeights * spec.num_layers)(*map(_layer_struct, weights.layers))
+        self._layers = (LayerWeights * spec.num_layers)(*map(_layer_struct, weights.layers))
         embed = weights.embed
-        self.model = _Model(
+        self.model = Model(
             spec.num_layers,
             spec.hidden_size,
             spec.intermediate_size,
@@ -179,7 +125,7 @@ class FusedDecode:
             base + part * count * size for part in range(6)
         )
         pool = self._pool(kv_pool)
-        batch = _DecodeBatch(
+        batch = DecodeBatch(
             count,
             tokens,
             positions,
@@ -194,7 +140,9 @@ class FusedDecode:
             self._pool_bf16,
             ctypes.addressof(self._greedy),
         )
-        if self.library.pd_decode_step(ctypes.byref(self.model), ctypes.byref(batch), threads):
+        if self.kernels.decode_step(
+            m=ctypes.byref(self.model), b=ctypes.byref(batch), nthreads=threads
+        ):
             return None
         return FusedStep(self._logit_rows[count], self._greedy[:count])
 
@@ -237,14 +185,14 @@ class FusedDecode:
                 "gate_up": 2 * spec.intermediate_size,
                 "scratch": max(spec.hidden_size, spec.intermediate_size),
             }
-            self._scratch_tensors = [torch.empty(rows, widths[n]) for n in _SCRATCH_BUFFERS]
+            self._scratch_tensors = [torch.empty(rows, widths[n]) for n in SCRATCH_BUFFERS]
             self._scratch_addresses = tuple(t.data_ptr() for t in self._scratch_tensors)
             self._scratch_rows = rows
         return self._scratch_addresses
 
 
-def _layer_struct(layer) -> _LayerWeights:
-    return _LayerWeights(
+def _layer_struct(layer) -> LayerWeights:
+    return LayerWeights(
         layer.input_norm.data_ptr(),
         layer.post_norm.data_ptr(),
         layer.qkv.packed.data_ptr(),

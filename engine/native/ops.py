@@ -13,41 +13,21 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from engine.envs import kernel_amx
 from engine.layer_ops import RESIDUAL_DTYPE, HeadSizes, Linear
-from engine.native.build import load_library
+from engine.native.bindings import KernelBindingError, bind
+from engine.native.build import KernelBuildError, build_library, open_library
+
+logger = logging.getLogger(__name__)
 
 PROLOGUE_NONE, PROLOGUE_RMSNORM, PROLOGUE_SILU_MUL = 0, 1, 2
-
-_P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
-_SIGNATURES = {
-    "pd_strip_width": ([], _I),
-    "pd_has_bf16": ([], _I),
-    "pd_use_amx": ([_I], _I),
-    "pd_linear": ([_P, _L, _L, _L, _P, _L, _P, _I, _P, _F, _P, _P, _L, _I, _I, _I], None),
-    # The kernels that touch the KV pool end with `kv_bf16`: it holds bf16, not float32.
-    "pd_rope_store": (
-        [_P, _L, _L, _L, _L, _L, _P, _P, _P, _P, _P, _L, _P, _P, _I, _I],
-        None,
-    ),
-    "pd_decode_attention": (
-        [_P, _L, _L, _L, _L, _L, _P, _P, _L, _L, _P, _L, _P, _F, _P, _L, _I, _I],
-        _I,
-    ),
-    "pd_gather_kv": ([_P, _P, _L, _L, _L, _L, _P, _L, _P, _P, _I, _I], None),
-    "pd_prefill_attention": (
-        [_P, _L, _L, _L, _L, _L, _P, _P, _L, _L, _P, _L, _F, _P, _L, _I, _I],
-        _I,
-    ),
-    "pd_copy_xxh3_blocks": ([_P, _P, _L, _L, _P], _I),
-    "pd_greedy_rows": ([_P, _L, _L, _P, _I], None),
-    "pd_phase_clock": ([_P, _P], _I),
-}
 
 DECODE_PHASES = ("embed", "qkv", "rope+store", "attention", "o_proj", "gate_up", "down", "lm_head")
 """The fused decode step's phases, in the order pd_phase_clock reports them (decode_step.c).
@@ -56,27 +36,29 @@ includes the final norm and each row's greedy token."""
 
 
 class NativeKernels:
-    """Typed bindings of the compiled library; callers pass contiguous float32/int64 tensors."""
+    """The compiled library's entry points, typed (engine/native/bindings.py): callers
+    pass contiguous float32/int64 tensors' addresses, by parameter name."""
 
     def __init__(self, library: ctypes.CDLL):
-        for name, (argtypes, restype) in _SIGNATURES.items():
-            function = getattr(library, name)
-            function.argtypes, function.restype = argtypes, restype
+        functions = bind(library)
         self.library = library
-        self.strip = library.pd_strip_width()
-        self.bf16 = bool(library.pd_has_bf16())
+        self.strip = functions["pd_strip_width"]()
+        self.bf16 = bool(functions["pd_has_bf16"]())
         """Built with AVX512-BF16 dot products: projections can run on bf16 weights."""
-        self.amx = bool(library.pd_use_amx(int(kernel_amx())))
+        self.use_amx = functions["pd_use_amx"]
+        self.amx = bool(self.use_amx(wanted=int(kernel_amx())))
         """Multi-row bf16 projections run on AMX tiles (the CPU has them and Linux granted
         this process their state)."""
-        self.linear = library.pd_linear
-        self.rope_store = library.pd_rope_store
-        self.decode_attention = library.pd_decode_attention
-        self.gather_kv = library.pd_gather_kv
-        self.prefill_attention = library.pd_prefill_attention
-        self.copy_xxh3_blocks = library.pd_copy_xxh3_blocks
+        self.linear = functions["pd_linear"]
+        self.rope_store = functions["pd_rope_store"]
+        self.decode_attention = functions["pd_decode_attention"]
+        self.gather_kv = functions["pd_gather_kv"]
+        self.prefill_attention = functions["pd_prefill_attention"]
+        self.greedy_rows = functions["pd_greedy_rows"]
+        self.decode_step = functions["pd_decode_step"]
+        self.copy_xxh3_blocks = functions["pd_copy_xxh3_blocks"]
         """XXH3-64 digests of whole KV blocks, copying them on the way (checksum.c)."""
-        self._phase_clock = library.pd_phase_clock
+        self._phase_clock = functions["pd_phase_clock"]
 
     def decode_phases(self) -> tuple[dict[str, float], int] | None:
         """Seconds per phase of the fused decode steps since the last call, and how many
@@ -84,16 +66,55 @@ class NativeKernels:
         (PDSERVE_KERNEL_PHASE_CLOCK). Called by `pdserve bench engine --phases`."""
         seconds = (ctypes.c_double * len(DECODE_PHASES))()
         steps = ctypes.c_long(0)
-        if self._phase_clock(seconds, ctypes.byref(steps)) != len(DECODE_PHASES):
+        found = self._phase_clock(seconds=ctypes.addressof(seconds), steps=ctypes.addressof(steps))
+        if found != len(DECODE_PHASES):
             return None
         return dict(zip(DECODE_PHASES, seconds, strict=True)), steps.value
 
 
+@dataclass(frozen=True)
+class KernelStatus:
+    """Whether this process runs the native kernels (`kernel_status()`)."""
+
+    active: bool
+    library: Path | None = None
+    """The shared object loaded, where active."""
+    reason: str = ""
+    """Why not, where not active."""
+
+
+FALLBACK = (
+    "native CPU kernels unavailable (%s): CPU models run on torch ops instead (slower "
+    "layers and attention) and KV transfers verify checksums in Python. To get them, "
+    "install a C compiler with the C library headers (e.g. `apt-get install gcc "
+    "libc6-dev`) or set CC, and install pdserve with its C sources; "
+    "`python -m engine.native` builds them and says what is missing."
+)
+"""The one line a process logs when it cannot build or load the kernels."""
+
+
 @functools.cache
+def _load() -> tuple[NativeKernels | None, KernelStatus]:
+    try:
+        path = build_library()
+        kernels = NativeKernels(open_library(path))
+    except (KernelBuildError, KernelBindingError, OSError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        logger.warning(FALLBACK, reason)
+        return None, KernelStatus(False, reason=reason)
+    return kernels, KernelStatus(True, library=path)
+
+
 def native_kernels() -> NativeKernels | None:
-    """The process-wide bindings, or None where the library cannot be built."""
-    library = load_library()
-    return None if library is None else NativeKernels(library)
+    """The process-wide bindings, built and loaded on the first call; None (and one
+    warning, `FALLBACK`) where they cannot be. Called by `engine.layer_ops`,
+    `engine.attention` and `kv_transfer.integrity` when they choose a path."""
+    return _load()[0]
+
+
+def kernel_status() -> KernelStatus:
+    """Whether the native kernels run in this process, loading them if not tried yet."""
+    return _load()[1]
 
 
 @dataclass
@@ -186,22 +207,22 @@ class NativeOps:
         needs_scratch = prologue != PROLOGUE_NONE or projection.bf16
         scratch = self._scratch_for(rows, k) if needs_scratch else None
         self.kernels.linear(
-            x.data_ptr(),
-            x.stride(0),
-            rows,
-            k,
-            projection.packed.data_ptr(),
-            projection.out_features,
-            _ptr(projection.bias),
-            prologue,
-            _ptr(norm_weight),
-            self.eps,
-            _ptr(scratch),
-            out.data_ptr(),
-            out.stride(0),
-            int(accumulate),
-            int(projection.bf16),
-            self.threads,
+            x=x.data_ptr(),
+            ldx=x.stride(0),
+            M=rows,
+            K=k,
+            w_packed=projection.packed.data_ptr(),
+            N=projection.out_features,
+            bias=_ptr(projection.bias),
+            prologue=prologue,
+            norm_weight=_ptr(norm_weight),
+            eps=self.eps,
+            scratch=_ptr(scratch),
+            y=out.data_ptr(),
+            ldy=out.stride(0),
+            accumulate=int(accumulate),
+            weights_bf16=int(projection.bf16),
+            nthreads=self.threads,
         )
 
     def norm_linear(self, residual, norm_weight, projection: PackedLinear) -> torch.Tensor:
@@ -219,22 +240,22 @@ class NativeOps:
         num_tokens = qkv.shape[0]
         keys, values = kv_pool.layer_view(layer, 0), kv_pool.layer_view(layer, 1)
         self.kernels.rope_store(
-            qkv.data_ptr(),
-            qkv.stride(0),
-            num_tokens,
-            sizes.num_heads,
-            sizes.num_kv_heads,
-            sizes.head_dim,
-            positions.data_ptr(),
-            rope.cos.data_ptr(),
-            rope.sin.data_ptr(),
-            keys.data_ptr(),
-            values.data_ptr(),
-            keys.stride(0),
-            meta.slot_blocks.data_ptr(),
-            meta.slot_offsets.data_ptr(),
-            self.threads,
-            kv_pool.holds_bf16,
+            qkv=qkv.data_ptr(),
+            ldqkv=qkv.stride(0),
+            T=num_tokens,
+            Hq=sizes.num_heads,
+            Hkv=sizes.num_kv_heads,
+            D=sizes.head_dim,
+            positions=positions.data_ptr(),
+            cos_table=rope.cos.data_ptr(),
+            sin_table=rope.sin.data_ptr(),
+            k_cache=keys.data_ptr(),
+            v_cache=values.data_ptr(),
+            block_stride=keys.stride(0),
+            slot_blocks=meta.slot_blocks.data_ptr(),
+            slot_offsets=meta.slot_offsets.data_ptr(),
+            nthreads=self.threads,
+            kv_bf16=kv_pool.holds_bf16,
         )
         q, k, v = qkv.split(sizes.split, dim=-1)
         return (
