@@ -152,6 +152,7 @@ class LLMEngine:
                 attention=attention,
                 kernels=kernels,
                 kv_dtype=self.config.kv_torch_dtype,
+                block_size=self.config.block_size,
             )
 
     def rebuild_model(
