@@ -109,8 +109,24 @@ class EngineConfig(ModelSettings):
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_positive("num_kv_blocks", self.num_kv_blocks)
+        if self.num_kv_blocks <= self.scratch_blocks:
+            raise ValueError(
+                f"num_kv_blocks ({self.num_kv_blocks}) must exceed the {self.scratch_blocks} "
+                "scratch block the CUDA graphs reserve"
+            )
         if self.num_threads is not None:
             _check_positive("num_threads", self.num_threads)
+
+    @property
+    def scratch_blocks(self) -> int:
+        """KV blocks the engine keeps out of allocation: one where decode CUDA graphs are
+        captured (their warm-up and padding rows write only there), else none."""
+        return int(self.cuda_graphs and self.device.startswith("cuda"))
+
+    @property
+    def usable_kv_blocks(self) -> int:
+        """Blocks the allocator hands out: the pool less its scratch."""
+        return self.num_kv_blocks - self.scratch_blocks
 
     @property
     def resolved_dtype(self) -> str:
