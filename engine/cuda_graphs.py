@@ -89,6 +89,8 @@ class DecodeGraphs:
         self.widths = (max_width,) if in_place else width_buckets(max_width)
         self.steps: dict[tuple[int, int], _StaticStep] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.replays = 0
+        """Decode steps served from a captured bucket so far."""
 
     def capture_all(self, max_num_seqs: int) -> None:
         """Capture (or, without `capture`, warm up) every bucket a decode step of at most
@@ -120,6 +122,7 @@ class DecodeGraphs:
         rows = step.input_ids.shape[0]
         static = self.steps[self._key(step)]
         _fill(static, step, self.scratch_block)
+        self.replays += 1
         if static.graph is None:
             return self._forward(static)[:rows]
         static.graph.replay()

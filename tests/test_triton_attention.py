@@ -340,3 +340,15 @@ def test_pdserve_generate_runs_the_triton_kernels_under_the_interpreter(tiny_mod
 
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout == tokenizer.decode(expected) + "\n"
+
+
+def test_kernels_compile_for_a_hopper_gpu():
+    """What the interpreter never does: lower the kernels through Triton's GPU passes and
+    ptxas to sm_90 code (tests/triton_compile_check.py, in a process of its own), so a
+    kernel that would not build on a GPU fails here."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env |= {"PYTHONPATH": str(ROOT), "TRITON_DEFAULT_FP_FUSION": "1"}
+    command = [sys.executable, "-m", "tests.triton_compile_check"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.endswith("ok\n")
