@@ -33,6 +33,8 @@ from engine.attention import (
     TorchPagedAttention,
 )
 from engine.kv_cache import KVCachePool, KVLayout
+from engine.native.attention import NativePagedAttention
+from engine.native.ops import native_kernels
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from engine.triton_backend import TritonPagedAttention, triton_runs_on
@@ -240,7 +242,8 @@ def mixed_step(pool: KVCachePool, layer: int, lengths, chunks, seed=2):
 def test_backend_equals_the_torch_gather_path_on_a_mixed_step(window):
     """Decode rows and prefill chunks of one packed step, through `forward` as the model
     calls it: the Triton backend's output is the torch reference backend's (which honors
-    the window too)."""
+    the window too), and so is the native CPU backend's where it exists (its kernels
+    know no window: a window that cuts a row's context takes the torch path)."""
     layout = KVLayout("tiny", "float32", 2, 3, 20, 16)
     pool = KVCachePool(layout, 40, DEVICE)
     q, k, v, meta = mixed_step(pool, 1, [1, 16, 37, 50], [(0, 9), (16, 5), (21, 16)])
@@ -250,6 +253,10 @@ def test_backend_equals_the_torch_gather_path_on_a_mixed_step(window):
     out = TritonPagedAttention().forward(q, k, v, pool, 1, meta, scale, window=window)
 
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    if DEVICE == "cpu" and native_kernels() is not None:
+        native = NativePagedAttention(native_kernels())
+        out = native.forward(q, k, v, pool, 1, meta, scale, window=window)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     if window is not None:
         unwindowed = TorchPagedAttention().forward(q, k, v, pool, 1, meta, scale)
         assert not torch.allclose(unwindowed, expected)  # the window hid something

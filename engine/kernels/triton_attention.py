@@ -31,6 +31,8 @@ contents, so a decode launch replays inside a CUDA graph.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -46,6 +48,7 @@ DECODE_ROWS = 16
 KEY_TILE = 32
 """Key positions per tile."""
 MAX_SPLITS = 16
+"""Most programs one decode row's keys are split over."""
 
 
 def _next_power_of_2(value: int, floor: int = 16) -> int:
@@ -233,11 +236,22 @@ def decode_splits(num_rows: int, num_kv_heads: int, max_keys: int, device: torch
     if device.type != "cuda":
         return 1
     programs = num_rows * num_kv_heads
-    multiprocessors = torch.cuda.get_device_properties(device).multi_processor_count
+    multiprocessors = _multiprocessors(device.index)
     if programs >= multiprocessors:
         return 1
     wanted = triton.cdiv(2 * multiprocessors, programs)
     return max(1, min(wanted, MAX_SPLITS, triton.cdiv(max_keys, KEY_TILE)))
+
+
+@functools.cache
+def _multiprocessors(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.cache
+def _no_partials(device: torch.device) -> torch.Tensor:
+    """What the kernel's partial-softmax pointers get when nothing is split (never read)."""
+    return torch.empty(1, dtype=torch.float32, device=device)
 
 
 def _dot_f32(dtype: torch.dtype) -> bool:
@@ -279,8 +293,8 @@ def _launch(
 def _partials(rows: int, num_heads: int, splits: int, head_pad: int, device) -> tuple:
     """Scratch for the splits' partial softmaxes (unused, but still passed, at 1 split)."""
     if splits == 1:
-        empty = torch.empty(1, dtype=torch.float32, device=device)
-        return empty, empty, empty
+        unused = _no_partials(device)
+        return unused, unused, unused
     shape = (rows, num_heads, splits)
     return (
         torch.empty(*shape, head_pad, dtype=torch.float32, device=device),
@@ -309,6 +323,7 @@ def decode_attention(
     num_kv_heads = k_cache.shape[2]
     max_keys = block_tables.shape[1] * k_cache.shape[1]
     splits = num_splits or decode_splits(rows, num_kv_heads, max_keys, q.device)
+    # a decode program finds its row by its index: query_starts is never read
     batch = SeqBatch(context_lens, context_lens, block_tables, 1)
     block_m = _next_power_of_2(num_heads // num_kv_heads, DECODE_ROWS)
     grid = (rows, num_kv_heads, splits)
