@@ -32,17 +32,24 @@ from engine.attention import (
     SeqBatch,
     TorchPagedAttention,
 )
+from engine.config import EngineConfig
 from engine.kv_cache import KVCachePool, KVLayout
+from engine.llm_engine import LLMEngine
 from engine.native.attention import NativePagedAttention
 from engine.native.ops import native_kernels
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from engine.triton_backend import TritonPagedAttention, triton_runs_on
-from tests.conftest import assert_no_leaks, make_engine
 from tests.factories import hf_greedy
-from tests.test_engine_correctness import prompt_of
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def prompt_of(length: int, salt: int = 0) -> list[int]:
+    generator = torch.Generator().manual_seed(1000 + 17 * length + salt)
+    return torch.randint(2, 300, (length,), generator=generator).tolist()
+
+
 pytestmark = pytest.mark.skipif(
     triton_runs_on(DEVICE) is not None, reason=str(triton_runs_on(DEVICE))
 )
@@ -265,9 +272,18 @@ def test_backend_equals_the_torch_gather_path_on_a_mixed_step(window):
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
-def triton_engine(model_dir, **overrides):
-    settings = dict(attention_backend="triton", block_size=16, prefill_chunk_size=16)
-    return make_engine(model_dir, device=DEVICE, max_batch_tokens=64, **settings | overrides)
+def triton_engine(model_dir, **overrides) -> LLMEngine:
+    settings = dict(
+        model=str(model_dir), dtype="float32", device=DEVICE, attention_backend="triton",
+        block_size=16, prefill_chunk_size=16, max_batch_tokens=64, num_kv_blocks=256,
+        num_threads=1,
+    )  # fmt: skip
+    return LLMEngine(EngineConfig(**settings | overrides))
+
+
+def assert_no_leaks(engine: LLMEngine) -> None:
+    assert not engine.has_unfinished()
+    engine.allocator.assert_all_free()
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
