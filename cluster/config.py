@@ -207,15 +207,18 @@ class ClusterConfig(ModelSettings):
         """Called by the cluster once the model's context is known: every pool must hold
         one sequence of `max_model_len` tokens, or some valid requests could never run."""
         needed = -(-max_model_len // self.block_size)
-        pools = {"decode_kv_blocks": self.decode_kv_blocks}
+        roles = {"decode_kv_blocks": "decode"}
         if self.mode == "disaggregated":
-            pools["prefill_kv_blocks"] = self.prefill_kv_blocks
-        for name, blocks in pools.items():
-            if blocks < needed:
+            roles["prefill_kv_blocks"] = "prefill"
+        for name, role in roles.items():
+            engine = self.engine_config(role)
+            if engine.usable_kv_blocks < needed:
+                scratch = engine.scratch_blocks
                 raise ConfigError(
-                    f"{name}={blocks} cannot hold one {max_model_len}-token sequence "
-                    f"({needed} blocks of {self.block_size}); raise {name} to at least "
-                    f"{needed} or lower max_model_len"
+                    f"{name}={engine.num_kv_blocks} cannot hold one {max_model_len}-token "
+                    f"sequence ({needed} blocks of {self.block_size}"
+                    + (f", plus {scratch} for the CUDA graphs' scratch" if scratch else "")
+                    + f"); raise {name} to at least {needed + scratch} or lower max_model_len"
                 )
 
     @property

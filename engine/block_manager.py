@@ -20,12 +20,21 @@ from engine.prefix_cache import PrefixCache
 
 
 class BlockAllocator:
-    """Hands out block ids of one `KVCachePool`; every id is either free or referenced."""
+    """Hands out block ids of one `KVCachePool`; every id is either free or referenced.
 
-    def __init__(self, num_blocks: int, cache: PrefixCache | None = None):
-        self.num_blocks = num_blocks
-        self.ref_counts = [0] * num_blocks
-        self.free_ids: deque[int] = deque(range(num_blocks))
+    With `keep_scratch` the pool's last block is the scratch block: never handed out,
+    never counted (`num_blocks` is what can be handed out), written only by what the
+    engine runs for itself (the CUDA graphs' warm-up and padding rows)."""
+
+    def __init__(
+        self, num_blocks: int, cache: PrefixCache | None = None, keep_scratch: bool = False
+    ):
+        """`num_blocks`: blocks in the pool, the scratch block included."""
+        self.num_blocks = num_blocks - int(keep_scratch)
+        """Blocks this allocator hands out: ids 0 .. num_blocks - 1."""
+        self.scratch_block: int | None = self.num_blocks if keep_scratch else None
+        self.ref_counts = [0] * self.num_blocks
+        self.free_ids: deque[int] = deque(range(self.num_blocks))
         """Free blocks the prefix cache does not hold (handed out first)."""
         self.cache = cache
 

@@ -15,13 +15,15 @@ from engine.platform import auto_dtype
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
 Kernels = Literal["auto", "native", "torch"]
-AttentionBackendName = Literal["auto", "torch", "native", "flash"]
+AttentionBackendName = Literal[
+    "auto", "triton", "flashinfer", "flash_attn", "torch", "native", "flash"
+]
 KVCacheDType = Literal["auto", "float32", "bfloat16"]
 
 # Names only: importing torch here would make every CLI start pay for it.
 TORCH_DTYPES = ("float32", "bfloat16", "float16")
 KERNEL_CHOICES = ("auto", "native", "torch")
-ATTENTION_CHOICES = ("auto", "torch", "native", "flash")
+ATTENTION_CHOICES = ("auto", "triton", "flashinfer", "flash_attn", "torch", "native", "flash")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 
 
@@ -52,10 +54,15 @@ class ModelSettings:
     """Layer ops: `native` float32 CPU kernels (compiled once, cached), `torch`, or `auto`
     (native where it applies)."""
     attention_backend: AttentionBackendName = "auto"
-    """Paged attention: `torch`, `native` (float32 CPU), `flash` (CUDA + flash-attn), or
-    `auto` (the fastest one available)."""
+    """Paged attention: `triton` (the GPU kernels, in place at any block size; on a CPU
+    under TRITON_INTERPRET=1, a slow debug mode), `flashinfer` or `flash_attn` (alias
+    `flash`; CUDA, where importable, Triton for the rest), `native` (float32 CPU),
+    `torch` (dense gather, the reference), or `auto` (CUDA: FlashInfer or flash-attn where
+    they serve the block size, else triton; CPU: native, else torch)."""
     cuda_graphs: bool = True
-    """Replay captured CUDA graphs for decode steps (CUDA devices only; ignored on CPU)."""
+    """Replay CUDA graphs for decode steps, captured at start-up for every batch bucket up
+    to `max_num_seqs` (CUDA devices only; ignored on CPU). Reserves one KV block as their
+    scratch."""
     prefix_caching: bool = True
     """Reuse the KV of full blocks a previous request already computed for the same prefix
     (`--no-prefix-caching` turns it off: every prompt is computed and moved whole)."""
@@ -102,8 +109,24 @@ class EngineConfig(ModelSettings):
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_positive("num_kv_blocks", self.num_kv_blocks)
+        if self.num_kv_blocks <= self.scratch_blocks:
+            raise ValueError(
+                f"num_kv_blocks ({self.num_kv_blocks}) must exceed the {self.scratch_blocks} "
+                "scratch block the CUDA graphs reserve"
+            )
         if self.num_threads is not None:
             _check_positive("num_threads", self.num_threads)
+
+    @property
+    def scratch_blocks(self) -> int:
+        """KV blocks the engine keeps out of allocation: one where decode CUDA graphs are
+        captured (their warm-up and padding rows write only there), else none."""
+        return int(self.cuda_graphs and self.device.startswith("cuda"))
+
+    @property
+    def usable_kv_blocks(self) -> int:
+        """Blocks the allocator hands out: the pool less its scratch."""
+        return self.num_kv_blocks - self.scratch_blocks
 
     @property
     def resolved_dtype(self) -> str:

@@ -1,20 +1,29 @@
-"""CUDA graphs for decode steps, one per (batch bucket, block-table width bucket).
+"""CUDA graphs for decode steps, one per batch bucket (and table-width bucket).
 
 A decode step launches a few hundred small kernels; on a GPU their launch cost is a
-large part of the step at small batch. `ModelRunner` hands decode-only steps here:
-the step is padded up to the next bucket, copied into that bucket's static input
-tensors, and the captured graph is replayed. Graphs are captured lazily, on a bucket's
-first use, into one shared memory pool.
+large part of the step at small batch. Lifecycle: the engine builds its `ModelRunner`
+with `cuda_graphs` on and calls `capture_graphs` before the worker reports healthy:
+`DecodeGraphs.capture_all` captures one graph per batch bucket up to `max_num_seqs`
+(times one per table-width bucket where the backend gathers blocks to the table's
+width; one width where it reads them in place), into one shared memory pool, and logs
+the time and memory that took. The serving path never captures: `ModelRunner` hands
+each decode-only step that a captured bucket covers to `run`, which copies the step
+into that bucket's static input tensors and replays the graph; any other step runs
+eagerly.
 
-Padding rows repeat the batch's last real row (same token, position, KV slot and
-block table): they write the very same key and value into the same slot and their
-logits are dropped, so they need no spare KV block. With `capture=False` the padded
-step runs eagerly; that is how the CPU test suite checks the padding logic.
+Every write a graph makes outside a real row lands in the scratch block, a KV block
+the allocator never hands out (`BlockAllocator(keep_scratch=True)`): the warm-up
+forward before each capture runs on the static tensors' resting state (token 0 at
+position 0 of the scratch block), and padding rows (up to the bucket) are put back in
+that state before every replay. No live sequence's or cached prefix's KV is touched.
+With `capture=False` the same steps run eagerly; that is how the CPU test suite checks
+the padding and the scratch writes.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +49,12 @@ def width_buckets(max_width: int) -> tuple[int, ...]:
     return (*widths, max_width)
 
 
+def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """The batch buckets a decode step of at most `max_num_seqs` rows can land in."""
+    top = bucket_for(max_num_seqs, BATCH_BUCKETS) or BATCH_BUCKETS[-1]
+    return tuple(b for b in BATCH_BUCKETS if b <= top)
+
+
 @dataclass
 class _StaticStep:
     """Input and output tensors a captured graph reads and writes."""
@@ -53,38 +68,71 @@ class _StaticStep:
 
 
 class DecodeGraphs:
-    """Owned by a `ModelRunner` on CUDA; `covers` then `run` per decode-only step."""
+    """Owned by a `ModelRunner` on CUDA: `capture_all` once at start-up, then `covers`
+    and `run` per decode-only step."""
 
-    def __init__(self, model, kv_pool, max_model_len: int | None = None, capture: bool = True):
+    def __init__(
+        self,
+        model,
+        kv_pool,
+        scratch_block: int,
+        max_model_len: int | None = None,
+        capture: bool = True,
+    ):
         self.model = model
         self.kv_pool = kv_pool
+        self.scratch_block = scratch_block
         self.capture = capture
         max_len = max_model_len or model.rope.cos.shape[0]
-        self.widths = width_buckets(-(-max_len // kv_pool.block_size))
+        max_width = -(-max_len // kv_pool.block_size)
+        in_place = model.attention.reads_in_place
+        self.widths = (max_width,) if in_place else width_buckets(max_width)
         self.steps: dict[tuple[int, int], _StaticStep] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.replays = 0
+        """Decode steps served from a captured bucket so far."""
+
+    def capture_all(self, max_num_seqs: int) -> None:
+        """Capture (or, without `capture`, warm up) every bucket a decode step of at most
+        `max_num_seqs` rows can need; called once, at engine start-up."""
+        on_cuda = torch.device(self.model.device).type == "cuda"
+        free_before = _free_device_bytes() if on_cuda else 0
+        started = time.perf_counter()
+        batches = batch_buckets(max_num_seqs)
+        for batch in batches:
+            for width in self.widths:
+                self.steps[(batch, width)] = self._build(batch, width)
+        if on_cuda:
+            torch.cuda.synchronize()
+        logger.info(
+            "%s %d decode graphs (batches %s, %d table widths) in %.2fs, %.1f MiB of device memory",
+            "captured" if self.capture else "warmed up",
+            len(self.steps),
+            ",".join(map(str, batches)),
+            len(self.widths),
+            time.perf_counter() - started,
+            (free_before - (_free_device_bytes() if on_cuda else 0)) / 2**20,
+        )
 
     def covers(self, step) -> bool:
-        tables = step.meta.decode_block_tables
-        return (
-            step.decode_only
-            and bucket_for(step.input_ids.shape[0], BATCH_BUCKETS) is not None
-            and bucket_for(tables.shape[1], self.widths) is not None
-        )
+        return step.decode_only and self._key(step) in self.steps
 
     def run(self, step) -> torch.Tensor:
-        """Logits [num_rows, vocab] of a decode-only step, through its bucket's graph."""
+        """Logits [num_rows, vocab] of a decode-only step that `covers` accepted."""
         rows = step.input_ids.shape[0]
-        key = (
-            bucket_for(rows, BATCH_BUCKETS),
-            bucket_for(step.meta.decode_block_tables.shape[1], self.widths),
-        )
-        static = self.steps.get(key) or self._build(*key)
-        _fill(static, step)
+        static = self.steps[self._key(step)]
+        _fill(static, step, self.scratch_block)
+        self.replays += 1
         if static.graph is None:
             return self._forward(static)[:rows]
         static.graph.replay()
         return static.logits[:rows].clone()
+
+    def _key(self, step) -> tuple[int | None, int | None]:
+        return (
+            bucket_for(step.input_ids.shape[0], BATCH_BUCKETS),
+            bucket_for(step.meta.decode_block_tables.shape[1], self.widths),
+        )
 
     def _forward(self, static: _StaticStep) -> torch.Tensor:
         return self.model.forward(
@@ -94,20 +142,21 @@ class DecodeGraphs:
     def _build(self, batch: int, width: int) -> _StaticStep:
         device = self.model.device
 
-        def zeros(*shape):
-            return torch.zeros(shape, dtype=torch.long, device=device)
+        def longs(*shape, value=0):
+            return torch.full(shape, value, dtype=torch.long, device=device)
 
         meta = AttentionMetadata(
-            slot_blocks=zeros(batch),
-            slot_offsets=zeros(batch),
+            slot_blocks=longs(batch, value=self.scratch_block),
+            slot_offsets=longs(batch),
             num_decode_tokens=batch,
-            decode_block_tables=zeros(batch, width),
-            decode_context_lens=torch.ones(batch, dtype=torch.long, device=device),
+            decode_block_tables=longs(batch, width, value=self.scratch_block),
+            decode_context_lens=longs(batch, value=1),
         )
-        static = _StaticStep(zeros(batch), zeros(batch), meta, torch.arange(batch, device=device))
+        static = _StaticStep(longs(batch), longs(batch), meta, torch.arange(batch, device=device))
         if self.capture:
             self._capture(static)
-        self.steps[(batch, width)] = static
+        else:
+            self._forward(static)  # the warm-up a capture runs, eagerly
         return static
 
     def _capture(self, static: _StaticStep) -> None:
@@ -120,25 +169,29 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self.pool):
             static.logits = self._forward(static)
         static.graph = graph
-        logger.info("captured decode graph for batch %d", static.input_ids.shape[0])
 
 
-def _fill(static: _StaticStep, step) -> None:
-    """Copy a step into the static tensors; rows past the step's repeat its last row."""
+def _free_device_bytes() -> int:
+    torch.cuda.synchronize()
+    return torch.cuda.mem_get_info()[0]
+
+
+def _fill(static: _StaticStep, step, scratch_block: int) -> None:
+    """Copy a step into the static tensors; rows past the step's go back to the resting
+    state (token 0 at position 0 of the scratch block, which their KV write lands in)."""
     rows = step.input_ids.shape[0]
     width = step.meta.decode_block_tables.shape[1]
     meta, source = static.meta, step.meta
     pairs = (
-        (static.input_ids, step.input_ids),
-        (static.positions, step.positions),
-        (meta.slot_blocks, source.slot_blocks),
-        (meta.slot_offsets, source.slot_offsets),
-        (meta.decode_context_lens, source.decode_context_lens),
+        (static.input_ids, step.input_ids, 0),
+        (static.positions, step.positions, 0),
+        (meta.slot_blocks, source.slot_blocks, scratch_block),
+        (meta.slot_offsets, source.slot_offsets, 0),
+        (meta.decode_context_lens, source.decode_context_lens, 1),
     )
-    for target, values in pairs:
+    for target, values, resting in pairs:
         target[:rows].copy_(values)
-        target[rows:].copy_(values[rows - 1])
+        target[rows:].fill_(resting)
     tables = meta.decode_block_tables
-    tables.zero_()
+    tables.fill_(scratch_block)
     tables[:rows, :width].copy_(source.decode_block_tables)
-    tables[rows:, :width].copy_(source.decode_block_tables[rows - 1])

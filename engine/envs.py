@@ -90,3 +90,10 @@ def clock_skew_s() -> float:
     """PDSERVE_CLOCK_SKEW_S: tests only: offset added to the clock worker-side timings
     read (`engine.clock`), standing in for a node whose clock is off (default 0)."""
     return float(os.environ.get("PDSERVE_CLOCK_SKEW_S", "0") or 0)
+
+
+def triton_interpret() -> bool:
+    """TRITON_INTERPRET (Triton's own): 1 runs Triton kernels in its CPU interpreter; it
+    must be set before triton is imported. The `triton` attention backend needs it on a
+    CPU, where it is the debug mode that drives the GPU kernels end to end."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip() == "1"

@@ -1,11 +1,13 @@
 """FlashAttention-2 behind `AttentionBackend`, on CUDA when `flash_attn` is importable.
 
-Picked by `make_attention_backend('auto' | 'flash')` on a CUDA device with fp16/bf16;
-never imported on CPU. Fresh prompts run `flash_attn_func` (causal, GQA native) on
-their own keys and values. Decode rows read the paged pool in place through
-`flash_attn_with_kvcache(block_table=...)`, which FlashAttention-2 allows only for
-blocks of a multiple of 256 tokens: with smaller blocks (the default is 16) decode
-and chunks after cached context keep the torch gather path of the base class.
+Picked by `make_attention_backend('flash_attn')` (alias `flash`) on a CUDA device with
+fp16/bf16, and by `auto` where FA2 can read the paged pool (blocks of a multiple of
+256 tokens); never imported on CPU. A step whose prefill chunks are all fresh prompts
+runs them in one `flash_attn_varlen_func` call on their own keys and values. Decode
+rows read the pool in place through `flash_attn_with_kvcache(block_table=...)` where
+the block size allows it. Everything else (decode at smaller blocks, chunks after
+cached context, sliding windows) runs on the Triton kernels of the base class, never
+on a dense gather.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import importlib.util
 
 import torch
 
-from engine.attention import AttentionMetadata, PrefillChunk, TorchPagedAttention
+from engine.triton_backend import TritonPagedAttention
 
 PAGED_BLOCK_MULTIPLE = 256
 
@@ -29,19 +31,24 @@ def flash_available(dtype: torch.dtype) -> bool:
     )
 
 
-class FlashPagedAttention(TorchPagedAttention):
-    """CUDA backend; falls back to the torch path per call where FA2 cannot serve it."""
+class FlashPagedAttention(TritonPagedAttention):
+    """CUDA backend: FA2 where it can serve a call, the Triton kernels elsewhere."""
 
-    name = "flash"
+    name = "flash_attn"
 
     def __init__(self):
         import flash_attn
 
         self.flash = flash_attn
 
-    def _decode(self, q, kv_pool, layer: int, meta: AttentionMetadata, scale, out) -> None:
-        if kv_pool.block_size % PAGED_BLOCK_MULTIPLE:
-            return super()._decode(q, kv_pool, layer, meta, scale, out)
+    @staticmethod
+    def pages(block_size: int) -> bool:
+        """Whether FA2 reads a pool of `block_size`-token blocks in place."""
+        return block_size % PAGED_BLOCK_MULTIPLE == 0
+
+    def _decode(self, q, kv_pool, layer: int, meta, scale, out, window) -> None:
+        if window is not None or not self.pages(kv_pool.block_size):
+            return super()._decode(q, kv_pool, layer, meta, scale, out, window)
         attended = self.flash.flash_attn_with_kvcache(
             q.unsqueeze(1),
             kv_pool.layer_view(layer, 0),
@@ -53,10 +60,22 @@ class FlashPagedAttention(TorchPagedAttention):
         )
         out.copy_(attended.flatten(1))
 
-    def _prefill(self, q, k, v, kv_pool, layer: int, chunk: PrefillChunk, scale):
-        if chunk.context_start:
-            return super()._prefill(q, k, v, kv_pool, layer, chunk, scale)
-        attended = self.flash.flash_attn_func(
-            q[None], k[None], v[None], softmax_scale=scale, causal=True
+    def _prefill(self, q, k, v, kv_pool, layer: int, meta, scale, out, window) -> None:
+        chunks = meta.prefill_chunks
+        if window is not None or any(c.context_start for c in chunks):
+            return super()._prefill(q, k, v, kv_pool, layer, meta, scale, out, window)
+        batch = meta.prefill_batch
+        rows = slice(chunks[0].query_start, chunks[-1].query_start + chunks[-1].query_len)
+        starts = (batch.query_starts - chunks[0].query_start).to(torch.int32)
+        attended = self.flash.flash_attn_varlen_func(
+            q[rows],
+            k[rows],
+            v[rows],
+            cu_seqlens_q=starts,
+            cu_seqlens_k=starts,
+            max_seqlen_q=batch.max_query_len,
+            max_seqlen_k=batch.max_query_len,
+            softmax_scale=scale,
+            causal=True,
         )
-        return attended[0]
+        out[rows] = attended.flatten(1)

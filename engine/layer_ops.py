@@ -70,6 +70,14 @@ class TorchOps:
 
     def __init__(self, eps: float):
         self.eps = eps
+        self.kv_store = _write_slots
+        """Writes a step's new keys and values into the pool (`rope_store`)."""
+
+    def use_kv_store(self, kv_store) -> None:
+        """Store new keys and values with `kv_store(kv_pool, layer, meta, k, v)` instead of
+        `KVCachePool.write_slots`; called once at load by `LlamaForward` with the attention
+        backend's own store (the Triton kernel)."""
+        self.kv_store = kv_store
 
     def prepare_linear(self, projection: Linear) -> Linear:
         """Called once per projection at load; returns what the other ops take."""
@@ -107,8 +115,12 @@ class TorchOps:
         k = k.view(num_tokens, sizes.num_kv_heads, sizes.head_dim)
         v = v.view(num_tokens, sizes.num_kv_heads, sizes.head_dim)
         q, k = rope.apply(q, k, positions)
-        kv_pool.write_slots(layer, meta.slot_blocks, meta.slot_offsets, k, v)
+        self.kv_store(kv_pool, layer, meta, k, v)
         return q, k, v
+
+
+def _write_slots(kv_pool, layer: int, meta, k, v) -> None:
+    kv_pool.write_slots(layer, meta.slot_blocks, meta.slot_offsets, k, v)
 
 
 def make_layer_ops(choice: KernelChoice, dtype: torch.dtype, device: str, eps: float):

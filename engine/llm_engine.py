@@ -122,9 +122,11 @@ class LLMEngine:
         self.layout = KVLayout.for_model(self.spec, self.model.kv_dtype, config.block_size)
         with single_threaded():
             self.kv_pool = KVCachePool(self.layout, config.num_kv_blocks, config.device)
-        self.allocator = BlockAllocator(config.num_kv_blocks, self._prefix_cache(config))
+        self.allocator = BlockAllocator(
+            config.num_kv_blocks, self._prefix_cache(config), keep_scratch=config.scratch_blocks > 0
+        )
         self.scheduler = Scheduler(config, self.allocator)
-        self.runner = ModelRunner(self.model, self.kv_pool)
+        self.runner = self._runner()
         self.sampler = Sampler()
         self.tokenizer = Tokenizer(self.model_dir)
         self.grammars = GrammarCompiler(self.tokenizer, self.spec.vocab_size)
@@ -152,6 +154,7 @@ class LLMEngine:
                 attention=attention,
                 kernels=kernels,
                 kv_dtype=self.config.kv_torch_dtype,
+                block_size=self.config.block_size,
             )
 
     def rebuild_model(
@@ -160,7 +163,20 @@ class LLMEngine:
         """The forward rebuilt on another kernel set / attention backend, over the same
         pool; called by `pdserve bench engine --kernels` and the tests of each path."""
         self.model = self._load_model(kernels, attention)
-        self.runner = ModelRunner(self.model, self.kv_pool)
+        self.runner = self._runner()
+
+    def _runner(self) -> ModelRunner:
+        """The step runner over the current model; with CUDA graphs on, they are captured
+        here, at start-up (the worker reports healthy only after the engine is built)."""
+        runner = ModelRunner(
+            self.model,
+            self.kv_pool,
+            cuda_graphs=self.config.cuda_graphs,
+            scratch_block=self.allocator.scratch_block,
+            max_model_len=self.max_model_len,
+        )
+        runner.capture_graphs(self.config.max_num_seqs)
+        return runner
 
     # --- requests -----------------------------------------------------------------
 
@@ -187,11 +203,11 @@ class LLMEngine:
             )
         tokens = len(prompt_token_ids) + (1 if stop_after_prefill else params.max_tokens)
         tokens = min(tokens, self.max_model_len)
-        if blocks_needed(tokens, self.config.block_size) > self.config.num_kv_blocks:
+        if blocks_needed(tokens, self.config.block_size) > self.allocator.num_blocks:
             raise InvalidRequestError(
                 f"{len(prompt_token_ids)} prompt tokens plus up to "
                 f"{tokens - len(prompt_token_ids)} output tokens do not fit this worker's KV "
-                f"pool ({self.config.num_kv_blocks} blocks of {self.config.block_size})",
+                f"pool ({self.allocator.num_blocks} blocks of {self.config.block_size})",
                 request_id,
             )
 

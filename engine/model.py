@@ -36,6 +36,7 @@ from engine.layer_ops import (
     RESIDUAL_DTYPE,
     HeadSizes,
     KernelChoice,
+    TorchOps,
     activation_dtype,
     make_layer_ops,
 )
@@ -62,10 +63,15 @@ class LlamaForward:
         attention: AttentionBackend | AttentionChoice | None = None,
         kernels: KernelChoice = "auto",
         kv_dtype: torch.dtype | None = None,
+        block_size: int = 16,
     ):
         self.spec = spec
         self.dtype = dtype
         self.device = device
+        if attention == "triton" and kernels == "auto":
+            # The GPU path whole, wherever it runs: torch's layer ops and the Triton KV
+            # store (on a CPU, the interpreter's debug mode; not the native kernels).
+            kernels = "torch"
         self.ops = make_layer_ops(kernels, dtype, device, spec.rms_norm_eps)
         self.activation_dtype = activation_dtype(kernels, dtype, device)
         """Of the activations: float32 on the native kernels, whose bf16 mode keeps the
@@ -82,9 +88,11 @@ class LlamaForward:
         if not isinstance(attention, AttentionBackend):
             kernel_kind = "torch" if self.ops.name == "torch" else "auto"
             attention = make_attention_backend(
-                attention or "auto", self.activation_dtype, device, kernel_kind
+                attention or "auto", self.activation_dtype, device, kernel_kind, block_size
             )
         self.attention = attention
+        if attention.kv_store is not None and isinstance(self.ops, TorchOps):
+            self.ops.use_kv_store(attention.kv_store)
         self.kv_dtype = kv_dtype or dtype
         """Of the KV pool this forward writes and reads: the weights' dtype unless asked
         otherwise; one that differs from the activations' needs the native kernels."""

@@ -3,8 +3,8 @@
 Decode pieces (one token) go first and are attended in one batched call; prefill
 pieces follow, each attending to its own cached context. Logits are computed only
 for sequences whose piece reaches their last known token, since only they sample.
-On CUDA, decode-only steps replay a captured graph per batch-size bucket
-(`engine.cuda_graphs`) when enabled; everywhere else the step runs eagerly. On the
+On CUDA, decode-only steps replay a graph per batch-size bucket, captured at
+start-up (`engine.cuda_graphs`) when enabled; everywhere else the step runs eagerly. On the
 native CPU kernels a decode-only step skips the tensors: its rows go to the fused
 kernel as plain ints (`decode_rows`, `LlamaForward.decode`), which also returns each
 row's greedy token.
@@ -56,9 +56,18 @@ class StepInputs:
 class ModelRunner:
     """Owned by an engine; `run` is called once per step with the scheduler's chunks."""
 
-    def __init__(self, model: LlamaForward, kv_pool: KVCachePool, cuda_graphs: bool = False):
+    def __init__(
+        self,
+        model: LlamaForward,
+        kv_pool: KVCachePool,
+        cuda_graphs: bool = False,
+        scratch_block: int | None = None,
+        max_model_len: int | None = None,
+    ):
         """`cuda_graphs`: replay captured graphs for decode-only steps on CUDA (the engine
-        passes its config's `cuda_graphs`); ignored on other devices."""
+        passes its config's `cuda_graphs`, and the allocator's `scratch_block`, which the
+        graphs write to outside real rows); ignored on other devices. Nothing is captured
+        until `capture_graphs`."""
         self.model = model
         self.kv_pool = kv_pool
         self.device = model.device
@@ -66,7 +75,15 @@ class ModelRunner:
         if cuda_graphs and torch.device(self.device).type == "cuda":
             from engine.cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(model, kv_pool)
+            if scratch_block is None:
+                raise ValueError("CUDA graphs need a scratch block to write their padding to")
+            self.graphs = DecodeGraphs(model, kv_pool, scratch_block, max_model_len)
+
+    def capture_graphs(self, max_num_seqs: int) -> None:
+        """Capture the decode graphs of every batch bucket up to `max_num_seqs`; called by
+        the engine at start-up, before its worker reports healthy (no-op without graphs)."""
+        if self.graphs is not None:
+            self.graphs.capture_all(max_num_seqs)
 
     def run(self, chunks: list[ScheduledChunk]) -> StepResult:
         rows = self.decode_rows(chunks) if self.model.fused_decode is not None else None

@@ -456,29 +456,47 @@ def test_both_vector_widths_give_the_same_prefill_attention_bits(
     assert_no_leaks(engine)
 
 
-def test_decode_graph_buckets_pad_without_changing_logits(tiny_llama_dir):
-    """The CUDA-graph runner's padding (to batch and table-width buckets, repeating the
-    last row), run eagerly: logits of the real rows equal the unpadded step's."""
-    from engine.cuda_graphs import DecodeGraphs, bucket_for, width_buckets
+def test_decode_graphs_pad_to_buckets_and_write_only_their_scratch_block(tiny_llama_dir):
+    """The CUDA-graph runner run eagerly (`capture=False`): the start-up warm-ups of every
+    bucket up to max_num_seqs write nothing but the scratch block; a padded step's real
+    rows have the unpadded step's logits, and its padding row writes the scratch block,
+    no other block but the real rows' own."""
+    from engine.cuda_graphs import DecodeGraphs, batch_buckets, bucket_for, width_buckets
 
     engine = make_engine(tiny_llama_dir)
     chunks = _decode_step_inputs(engine, [5, 17, 30])
     step = engine.runner.build_step(chunks)
-    graphs = DecodeGraphs(engine.model, engine.kv_pool, capture=False)
-    assert graphs.covers(step)
+    (scratch,) = engine.allocator.allocate(1, "scratch")
+    graphs = DecodeGraphs(engine.model, engine.kv_pool, scratch, capture=False)
     assert bucket_for(3, (1, 2, 4)) == 4 and bucket_for(5, (1, 2, 4)) is None
-    assert width_buckets(6) == (1, 2, 4, 6)
+    assert width_buckets(6) == (1, 2, 4, 6) and batch_buckets(3) == (1, 2, 4)
+    pool = engine.kv_pool.kv
+    before = pool.clone()
 
+    graphs.capture_all(max_num_seqs=3)
+
+    assert set(graphs.steps) == {(b, w) for b in (1, 2, 4) for w in graphs.widths}
+    assert _changed_blocks(before, pool) == {scratch}
     expected = engine.model.forward(
         step.input_ids, step.positions, step.meta, engine.kv_pool, step.logits_rows
     )
+    pool[scratch] = 0
+    before = pool.clone()
+    assert graphs.covers(step)
     padded = graphs.run(step)
 
-    assert set(graphs.steps) == {(4, 4)}
     torch.testing.assert_close(padded, expected, atol=1e-5, rtol=1e-5)
+    real_blocks = set(step.meta.slot_blocks.tolist())
+    assert scratch in _changed_blocks(before, pool) <= real_blocks | {scratch}
+    engine.allocator.free([scratch])
     for chunk in chunks:
         engine.abort(chunk.seq.request_id)
     assert_no_leaks(engine)
+
+
+def _changed_blocks(before: torch.Tensor, after: torch.Tensor) -> set[int]:
+    differs = (before != after).flatten(1).any(dim=1)
+    return set(differs.nonzero().flatten().tolist())
 
 
 @needs_native

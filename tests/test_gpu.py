@@ -1,11 +1,13 @@
 """The CUDA paths, checked on a GPU: skipped (not faked) on machines without one.
 
 What a CPU run cannot reach: the engine's forward on CUDA tensors against transformers
-on the same GPU, decode steps replayed from captured CUDA graphs, bf16 on the GPU's own
-matmuls, KV blocks leaving and entering CUDA pools (in one process, and between two
-over gRPC; NCCL pairs need two GPUs), and NVML's reading of the device. `make
-test-gpu` runs this module; docs/operations.md says how to run it on a GPU machine
-that has no network (its own torch, no virtualenv).
+on the same GPU, decode steps replayed from CUDA graphs captured at start-up (at every
+batch bucket), the Triton kernels compiled (against their dense reference, and in the
+engine against the torch gather path), bf16 greedy agreement with transformers on the
+GPU's own matmuls, KV blocks leaving and entering CUDA pools (in one process, and
+between two over gRPC; NCCL pairs need two GPUs), and NVML's reading of the device.
+`make test-gpu` runs this module; docs/operations.md says how to run it on a GPU
+machine that has no network (its own torch, no virtualenv).
 """
 
 from __future__ import annotations
@@ -76,21 +78,89 @@ def test_cuda_logits_match_transformers_step_by_step(tiny_llama_dir):
     assert_no_leaks(engine)
 
 
-def test_decode_steps_replayed_from_cuda_graphs_equal_eager_ones(tiny_llama_dir):
-    """Batches of 1, 3 and 6 (buckets 1, 4 and 8, the last two padded) and tables that
-    grow past a width bucket: the graphs' tokens are the eager engine's."""
-    eager = gpu_engine(tiny_llama_dir, cuda_graphs=False)
-    graphed = gpu_engine(tiny_llama_dir, cuda_graphs=True)
-    assert eager.runner.graphs is None and graphed.runner.graphs is not None
-    for batch in (1, 3, 6):
-        prompts = [prompt_of(9 + 7 * i, salt=batch) for i in range(batch)]
+@pytest.mark.parametrize("attention_backend", ["auto", "triton", "torch"])
+def test_decode_graphs_captured_at_start_replay_as_eager_at_every_bucket(
+    tiny_llama_dir, attention_backend
+):
+    """Every batch bucket up to max_num_seqs is captured while the engine is built; decode
+    batches of 1, 2, 3, 6 and 8 (every bucket, some padded) replay them, with long
+    prompts whose decode splits its keys over programs: the graphs' tokens are the
+    eager engine's, and the scratch block is the only block no sequence owns that the
+    graphs wrote."""
+    settings = dict(max_num_seqs=8, attention_backend=attention_backend)
+    eager = gpu_engine(tiny_llama_dir, cuda_graphs=False, **settings)
+    graphed = gpu_engine(tiny_llama_dir, cuda_graphs=True, **settings)
+    graphs = graphed.runner.graphs
+    assert eager.runner.graphs is None and eager.allocator.scratch_block is None
+    assert {batch for batch, _ in graphs.steps} == {1, 2, 4, 8}
+    assert all(step.graph is not None for step in graphs.steps.values())
+    scratch = graphed.allocator.scratch_block
+    assert scratch == graphed.kv_pool.num_blocks - 1 == graphed.allocator.num_blocks
+    others = graphed.kv_pool.kv[:scratch].clone()
+    assert others.abs().sum() == 0  # capture wrote nothing outside the scratch block
+    for batch in (1, 2, 3, 6, 8):
+        prompts = [prompt_of(9 + 37 * i, salt=batch) for i in range(batch)]
         expected = [s.output_token_ids for s in eager.generate(prompts, GREEDY)]
+        replays = graphs.replays
         actual = [s.output_token_ids for s in graphed.generate(prompts, GREEDY)]
         assert actual == expected, batch
-    captured = graphed.runner.graphs.steps
-    assert {batch for batch, _ in captured} >= {1, 4, 8}
-    assert all(step.graph is not None for step in captured.values())
+        assert graphs.replays - replays >= GREEDY.max_tokens - 1, batch
     assert_no_leaks(graphed)
+
+
+def test_triton_kernels_equal_the_dense_reference_on_the_gpu():
+    """The interpreter's kernel tests (tests/test_triton_attention.py), compiled: fp16 and
+    bf16 on the tensor cores, float32 in IEEE dots, split decode, windows."""
+    from tests import test_triton_attention as kernels
+
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for block_size, group, head_dim in ((16, 1, 64), (16, 8, 128), (32, 4, 64)):
+            kernels.run_decode(kernels.DECODE_LENS, block_size, group, head_dim, dtype)
+            kernels.run_prefill(kernels.CHUNKS, block_size, group, head_dim, dtype)
+        kernels.run_decode([1, 70, 600, 2000], 16, 4, 128, dtype, splits=None)
+        kernels.run_decode([1, 70, 600, 2000], 16, 4, 128, dtype, splits=7, window=100)
+        kernels.run_prefill(kernels.CHUNKS, 16, 4, 64, dtype, window=20)
+
+
+def test_triton_backend_equals_the_torch_reference_on_whole_requests(tiny_model_dirs):
+    """The engine on the Triton kernels (and the Triton KV store) against the same
+    engine on the torch gather path, on the same GPU, over chunked prompts and a
+    prefix-cache hit."""
+    model_dir = tiny_model_dirs["qwen2"]
+    settings = dict(block_size=16, prefill_chunk_size=16, max_batch_tokens=64)
+    triton_engine = gpu_engine(model_dir, attention_backend="triton", **settings)
+    torch_engine = gpu_engine(model_dir, attention_backend="torch", **settings)
+    assert triton_engine.model.attention.name == "triton"
+    prompts = [prompt_of(n, salt=6) for n in (5, 16, 37, 70)]
+    prompts.append(prompts[3][:48] + prompt_of(5, salt=8))
+    expected = [s.output_token_ids for s in torch_engine.generate(prompts, GREEDY)]
+    outputs = triton_engine.generate(prompts, GREEDY)
+    assert [s.output_token_ids for s in outputs] == expected
+    assert_no_leaks(triton_engine)
+
+
+def _hf_bf16_greedy(model_dir, prompt: list[int], count: int) -> list[int]:
+    model = _hf_model(str(model_dir), DEVICE, torch.bfloat16)
+    ids = torch.tensor([prompt], device=DEVICE)
+    with torch.no_grad():
+        for _ in range(count):
+            token = model(ids).logits[0, -1].float().argmax()
+            ids = torch.cat([ids, token.view(1, 1)], dim=1)
+    return ids[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_bf16_greedy_agrees_with_transformers_bf16_on_the_same_gpu(tiny_model_dirs, family):
+    """The default GPU path in bf16 (auto backend, CUDA graphs, block size 16): its
+    greedy tokens are transformers' own in bf16, on the same GPU. The tiny models' logits
+    are widened (tests/factories.py), so rounding elsewhere does not flip a choice."""
+    model_dir = tiny_model_dirs[family]
+    engine = gpu_engine(model_dir, dtype="bfloat16", block_size=16)
+    assert engine.runner.graphs is not None
+    prompts = [prompt_of(n, salt=12) for n in (5, 13, 40)]
+    for prompt, seq in zip(prompts, engine.generate(prompts, GREEDY), strict=True):
+        assert seq.output_token_ids == _hf_bf16_greedy(model_dir, prompt, GREEDY.max_tokens)
+    assert_no_leaks(engine)
 
 
 def test_bf16_on_the_gpu_strays_no_further_than_transformers_bf16(tiny_llama_dir):
@@ -113,14 +183,21 @@ def test_bf16_on_the_gpu_strays_no_further_than_transformers_bf16(tiny_llama_dir
 
 
 def test_every_cuda_attention_backend_agrees_with_torch_on_whole_requests(tiny_llama_dir):
-    """`auto` on CUDA picks flash-attn where it is importable (fp16/bf16); its greedy
-    tokens must be the torch backend's. Where flash-attn is missing, `auto` is torch."""
-    from engine.flash_attention import flash_available
+    """`auto` on CUDA picks FlashInfer, then flash-attn (where it pages the block size),
+    where importable, else the Triton kernels, never the torch gather path; its greedy
+    tokens must be the torch backend's."""
+    from engine.flash_attention import FlashPagedAttention, flash_available
+    from engine.flashinfer_backend import flashinfer_available
 
-    dtype = "bfloat16"
+    dtype, block_size = "bfloat16", 16
     torch_backend = gpu_engine(tiny_llama_dir, dtype=dtype, attention_backend="torch")
-    auto = gpu_engine(tiny_llama_dir, dtype=dtype)
-    expected_name = "flash" if flash_available(torch.bfloat16) else "torch"
+    auto = gpu_engine(tiny_llama_dir, dtype=dtype, block_size=block_size)
+    if flashinfer_available(torch.bfloat16, block_size):
+        expected_name = "flashinfer"
+    elif flash_available(torch.bfloat16) and FlashPagedAttention.pages(block_size):
+        expected_name = "flash_attn"
+    else:
+        expected_name = "triton"
     assert auto.model.attention.name == expected_name
     prompts = [prompt_of(n, salt=4) for n in (6, 21)]
     expected = [s.output_token_ids for s in torch_backend.generate(prompts, GREEDY)]

@@ -42,6 +42,12 @@ def _generate_parser(sub) -> None:
         "and stream the text to stdout as tokens are made.",
     )
     _add_model_args(parser)
+    from cluster.config_flags import add_config_flags
+    from engine.config import ModelSettings
+
+    # The engine's own knobs, as `serve` takes them (--attention-backend, --block-size,
+    # --prefill-chunk-size, ...): derived from the config, declared once.
+    add_config_flags(parser, ModelSettings, skip={"model", "dtype"})
     parser.add_argument("--prompt", required=True, help="prompt text")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     parser.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
@@ -54,11 +60,16 @@ def _generate_parser(sub) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from engine.config import EngineConfig
+    from cluster.config_flags import config_overrides
+    from engine.config import EngineConfig, ModelSettings
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads))
+    try:
+        config = EngineConfig(**config_overrides(args, ModelSettings), num_threads=args.threads)
+        engine = LLMEngine(config)
+    except ValueError as exc:  # a setting this machine cannot run, e.g. triton on a CPU
+        raise SystemExit(f"pdserve generate: {exc}") from None
     if args.chat:
         prompt_ids = engine.tokenizer.apply_chat_template(
             [{"role": "user", "content": args.prompt}]
