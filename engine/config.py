@@ -25,6 +25,8 @@ TORCH_DTYPES = ("float32", "bfloat16", "float16")
 KERNEL_CHOICES = ("auto", "native", "torch")
 ATTENTION_CHOICES = ("auto", "triton", "flashinfer", "flash_attn", "torch", "native", "flash")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+CPU_KV_BLOCKS = 1024
+"""KV blocks of a CPU engine given no count (CPU memory is not profiled)."""
 
 
 @dataclass(frozen=True)
@@ -66,11 +68,20 @@ class ModelSettings:
     prefix_caching: bool = True
     """Reuse the KV of full blocks a previous request already computed for the same prefix
     (`--no-prefix-caching` turns it off: every prompt is computed and moved whole)."""
+    gpu_memory_utilization: float = 0.9
+    """Share of the GPU's memory one engine may take (vLLM's meaning): after its weights
+    load and a profiling forward at the largest step (and its CUDA graphs), the KV pool
+    gets the rest of that share. Sizes the pool of a CUDA engine given no block count;
+    an explicit count (`num_kv_blocks`, a cluster's pool counts) overrides it. Two
+    engines on one GPU take a share each (0.45 + 0.45)."""
 
     def __post_init__(self) -> None:
         _check_choice("kernels", self.kernels, KERNEL_CHOICES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_CHOICES)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        share = self.gpu_memory_utilization
+        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {share!r}")
         for name in ("cuda_graphs", "prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -101,19 +112,21 @@ class EngineConfig(ModelSettings):
 
     device: str = "cpu"
     """Torch device for weights and KV (`cpu`, `cuda`, `cuda:1`)."""
-    num_kv_blocks: int = 1024
-    """Blocks in the KV pool (capacity = num_kv_blocks * block_size tokens)."""
+    num_kv_blocks: int | None = None
+    """Blocks in the KV pool (capacity = num_kv_blocks * block_size tokens). None: sized
+    from the device on CUDA (`gpu_memory_utilization`), `CPU_KV_BLOCKS` on a CPU."""
     num_threads: int | None = None
     """torch intra-op threads for this engine; None leaves torch's default."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_positive("num_kv_blocks", self.num_kv_blocks)
-        if self.num_kv_blocks <= self.scratch_blocks:
-            raise ValueError(
-                f"num_kv_blocks ({self.num_kv_blocks}) must exceed the {self.scratch_blocks} "
-                "scratch block the CUDA graphs reserve"
-            )
+        if self.num_kv_blocks is not None:
+            _check_positive("num_kv_blocks", self.num_kv_blocks)
+            if self.num_kv_blocks <= self.scratch_blocks:
+                raise ValueError(
+                    f"num_kv_blocks ({self.num_kv_blocks}) must exceed the "
+                    f"{self.scratch_blocks} scratch block the CUDA graphs reserve"
+                )
         if self.num_threads is not None:
             _check_positive("num_threads", self.num_threads)
 
@@ -124,9 +137,25 @@ class EngineConfig(ModelSettings):
         return int(self.cuda_graphs and self.device.startswith("cuda"))
 
     @property
-    def usable_kv_blocks(self) -> int:
-        """Blocks the allocator hands out: the pool less its scratch."""
-        return self.num_kv_blocks - self.scratch_blocks
+    def sizes_kv_from_device(self) -> bool:
+        """Whether the engine sizes its pool from device memory: a CUDA engine given no
+        block count."""
+        return self.num_kv_blocks is None and self.device.startswith("cuda")
+
+    @property
+    def fixed_kv_blocks(self) -> int | None:
+        """The pool's block count where the config fixes it (`num_kv_blocks`, or a CPU
+        engine's default); None where the engine sizes it from the device."""
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        return None if self.sizes_kv_from_device else CPU_KV_BLOCKS
+
+    @property
+    def usable_kv_blocks(self) -> int | None:
+        """Blocks the allocator hands out: the pool less its scratch (None until a pool
+        sized from the device is built: `LLMEngine.allocator.num_blocks` has it)."""
+        blocks = self.fixed_kv_blocks
+        return None if blocks is None else blocks - self.scratch_blocks
 
     @property
     def resolved_dtype(self) -> str:

@@ -36,7 +36,9 @@ from engine.demo_model import resolve_model
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError, RequestAbortedError
 from engine.kv_cache import KVCachePool, KVLayout
+from engine.kv_sizing import KVSizing, size_kv_pool
 from engine.logprobs import PromptLogprobs, TokenLogprobs
+from engine.memory_profile import DeviceSnapshot, profile_memory
 from engine.model import LlamaForward
 from engine.model_runner import ModelRunner
 from engine.model_spec import load_model_spec
@@ -118,15 +120,21 @@ class LLMEngine:
         self.max_model_len = min(
             config.max_model_len or self.spec.context_window, self.spec.context_window
         )
+        baseline = DeviceSnapshot.take(config.device) if config.sizes_kv_from_device else None
         self.model = self._load_model(config.kernels, config.attention_backend)
         self.layout = KVLayout.for_model(self.spec, self.model.kv_dtype, config.block_size)
+        self.kv_sizing: KVSizing | None = self._size_pool(baseline) if baseline else None
+        """How the pool was sized from the device (None: the config fixed its blocks)."""
+        num_blocks = self.kv_sizing.num_blocks if self.kv_sizing else config.fixed_kv_blocks
         with single_threaded():
-            self.kv_pool = KVCachePool(self.layout, config.num_kv_blocks, config.device)
+            self.kv_pool = KVCachePool(self.layout, num_blocks, config.device)
         self.allocator = BlockAllocator(
-            config.num_kv_blocks, self._prefix_cache(config), keep_scratch=config.scratch_blocks > 0
+            num_blocks, self._prefix_cache(config), keep_scratch=config.scratch_blocks > 0
         )
         self.scheduler = Scheduler(config, self.allocator)
         self.runner = self._runner()
+        if self.kv_sizing is not None:
+            logger.info("%s", self.kv_sizing.describe())
         self.sampler = Sampler()
         self.tokenizer = Tokenizer(self.model_dir)
         self.grammars = GrammarCompiler(self.tokenizer, self.spec.vocab_size)
@@ -156,6 +164,23 @@ class LLMEngine:
                 kv_dtype=self.config.kv_torch_dtype,
                 block_size=self.config.block_size,
             )
+
+    def _size_pool(self, baseline: DeviceSnapshot) -> KVSizing:
+        """The pool's blocks from `gpu_memory_utilization`, after profiling what the
+        weights, the largest step and the CUDA graphs take (engine/memory_profile.py);
+        raises KVMemoryError (a ValueError) when not one max_model_len sequence fits."""
+        config = self.config
+        profile = profile_memory(self.model, self.layout, config, self.max_model_len, baseline)
+        return size_kv_pool(
+            baseline.total_bytes,
+            profile.used_bytes,
+            config.gpu_memory_utilization,
+            self.layout.block_nbytes,
+            block_size=config.block_size,
+            max_model_len=self.max_model_len,
+            scratch_blocks=config.scratch_blocks,
+            free_bytes=profile.free_bytes,
+        )
 
     def rebuild_model(
         self, kernels: KernelChoice = "auto", attention: AttentionChoice | None = None
