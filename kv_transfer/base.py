@@ -109,6 +109,9 @@ class TransferResult:
     reason: FailureReason | None = None
     message: str = ""
     failed_blocks: list[int] = field(default_factory=list)
+    checksum: str = ""
+    """The algorithm every block was verified with (the ticket's: `xxh3_64` or `crc32`
+    on the host, `wsum64` on the device, kv_transfer/integrity.py); empty unless DONE."""
 
     @property
     def ok(self) -> bool:

@@ -71,7 +71,8 @@ class TransportOptions:
     max_message_bytes: int = 64 << 20
     """gRPC max send/receive message size, set on both ends; must exceed `chunk_bytes`."""
     checksum: ChecksumAlgo = "xxh3_64"
-    """Per-block checksum: `xxh3_64` (xxhash, tens of GB/s) or `crc32` (zlib, ~3 GB/s)."""
+    """Per-block checksum of CPU pools: `xxh3_64` (xxhash, tens of GB/s) or `crc32`
+    (zlib, ~3 GB/s). Device pools always use `wsum64`, computed on the device."""
     node_id: str | None = None
     """Override of this worker's node identity (tests that pretend to be two nodes)."""
     shm_dir: str = "/dev/shm"

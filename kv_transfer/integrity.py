@@ -13,11 +13,16 @@ right behind its copy, so the sum reads the bytes from L2 instead of memory. Any
 mismatch fails the whole transfer with CHECKSUM and names the blocks (the caller frees
 its destination blocks, as for any failure).
 
-Two algorithms, named in the ticket so both ends agree:
-- `xxh3_64` (default): XXH3 from the `xxhash` library, 64 bits over the block's bytes.
-  It runs at tens of GB/s on one core with the GIL released, so on a 2-core box the
-  verification thread takes a small share of a core from the transport's own threads.
+Three algorithms, named in the ticket so both ends agree:
+- `xxh3_64` (default on CPU pools): XXH3 from the `xxhash` library, 64 bits over the
+  block's bytes. It runs at tens of GB/s on one core with the GIL released, so on a
+  2-core box the verification thread takes a small share of a core from the
+  transport's own threads.
 - `crc32`: zlib over the block's bytes (~3 GB/s here), for peers without xxhash.
+- `wsum64` (always on device pools, kv_transfer/device_checksum.py): a position-weighted
+  64-bit sum computed on the pool's device, every block of a fetch in one go at
+  `finish` (the receiver's transfer stream), so no block is copied to the host to be
+  verified. The receipt (`TransferResult.checksum`) names the algorithm that verified.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import xxhash
 
 from kv_transfer.base import ExportTicket, FailureReason, KVTransferError
 from kv_transfer.blockio import flat_bytes
+from kv_transfer.device_checksum import DEVICE_CHECKSUMS, wsum64
 
 
 def block_bytes(block: torch.Tensor) -> np.ndarray:
@@ -79,7 +85,10 @@ class _Crc32Stream:
 
 
 def streaming_checksum(algo: str):
-    """A hasher fed piece by piece whose `intdigest()` equals `checksum` of the whole."""
+    """A hasher fed piece by piece whose `intdigest()` equals `checksum` of the whole;
+    None for the device algorithms, which sum whole blocks at `finish`."""
+    if algo in DEVICE_CHECKSUMS:
+        return None
     if algo == "xxh3_64":
         return xxhash.xxh3_64()
     if algo == "crc32":
@@ -88,7 +97,10 @@ def streaming_checksum(algo: str):
 
 
 def block_checksums(kv: torch.Tensor, block_ids: list[int], algo: str) -> list[int]:
-    """Checksums of the given blocks of a block-major CPU pool tensor."""
+    """Checksums of the given blocks of a block-major pool tensor: the device algorithms
+    on the pool's device, the others on the host (a copy per block off a device)."""
+    if algo in DEVICE_CHECKSUMS:
+        return wsum64(kv, block_ids)
     return [checksum(block_bytes(kv[b]), algo) for b in block_ids]
 
 
@@ -145,7 +157,10 @@ class BlockVerifier:
         self._partial = {}
 
     def landed(self, end: int) -> None:
-        """Bytes [0, end) of the stream are in place: verify the blocks now whole."""
+        """Bytes [0, end) of the stream are in place: verify the blocks now whole (a
+        device algorithm waits for `finish`, which sums every block in one go)."""
+        if self.ticket.checksum_algo in DEVICE_CHECKSUMS and end < self.stream_nbytes:
+            return
         whole = min(end // self.block_nbytes, len(self.dst))
         self.verify_blocks(self.done, whole)
         self.done = max(self.done, whole)
@@ -219,9 +234,19 @@ class BlockVerifier:
             self.bad.append(position)
         self.checked[position] = True
 
+    @property
+    def stream_nbytes(self) -> int:
+        return len(self.dst) * self.block_nbytes
+
     def verify_blocks(self, first: int, stop: int) -> None:
         """Check stream positions [first, stop) not checked yet."""
         algo, size = self.ticket.checksum_algo, self.block_nbytes
+        if algo in DEVICE_CHECKSUMS:
+            positions = [i for i in range(first, stop) if not self.checked[i]]
+            digests = wsum64(self.kv, [self.dst[i] for i in positions])
+            for i, digest in zip(positions, digests, strict=True):
+                self._check(i, digest)
+            return
         for i in range(first, stop):
             if self.checked[i]:
                 continue
@@ -233,7 +258,7 @@ class BlockVerifier:
 
     def finish(self) -> None:
         """Verify the rest; raise CHECKSUM naming every block position that differs."""
-        self.landed(len(self.dst) * self.block_nbytes)
+        self.landed(self.stream_nbytes)
         if self.bad:
             raise KVTransferError(
                 f"{len(self.bad)} of {len(self.dst)} blocks failed their checksum "

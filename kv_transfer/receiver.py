@@ -31,6 +31,7 @@ from kv_transfer.blockio import PoolBytes
 from kv_transfer.config import TransportOptions
 from kv_transfer.integrity import BlockVerifier
 from kv_transfer.stats import ReceiverStats, bump
+from kv_transfer.transfer_stream import TransferStream
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,9 @@ class TransportReceiver(KVReceiver):
         self._lock = threading.Lock()
         self._bytes = PoolBytes()
         self._block_nbytes = pool.layout.block_nbytes
+        self._stream = TransferStream(pool.kv.device)
+        """Device pools: every fetch's copies, receives and checksums run here, off the
+        engine's compute stream (kv_transfer/transfer_stream.py)."""
 
     @abstractmethod
     def _pull(
@@ -140,8 +144,15 @@ class TransportReceiver(KVReceiver):
             verifier = BlockVerifier(
                 self.pool.kv, dst_block_ids, ticket, self._pool_bytes(), self._block_nbytes
             )
-            result.transport = self._pull(ticket, dst_block_ids, start + timeout_s, verifier)
-            verifier.finish()
+            with self._stream.active():
+                try:
+                    result.transport = self._pull(
+                        ticket, dst_block_ids, start + timeout_s, verifier
+                    )
+                    verifier.finish()
+                finally:
+                    self._drain(ticket)
+            result.checksum = ticket.checksum_algo
             result.state = TransferState.DONE
             result.num_bytes = len(dst_block_ids) * self.pool.layout.block_nbytes
         except KVTransferError as exc:
@@ -155,6 +166,17 @@ class TransportReceiver(KVReceiver):
         result.seconds = time.monotonic() - start
         self._count(result)
         return result
+
+    def _drain(self, ticket: ExportTicket) -> None:
+        """Wait for what the fetch queued on the transfer stream (device pools): the
+        caller reads, or frees, the destination blocks next."""
+        if not self._stream.wait_done(self.options.timeout_s):
+            logger.error(
+                "[request %s] device work of a KV fetch from %s still pending after %.0fs",
+                ticket.request_id,
+                ticket.sender_id,
+                self.options.timeout_s,
+            )
 
     def _pool_bytes(self):
         """Our CPU pool as one uint8 numpy array (None on a device), made once per storage."""

@@ -18,6 +18,7 @@ from typing import Protocol
 from engine.kv_cache import KVCachePool
 from kv_transfer.base import ExportTicket, KVSender
 from kv_transfer.config import TransportOptions
+from kv_transfer.device_checksum import checksum_algo_for
 from kv_transfer.integrity import block_checksums
 from kv_transfer.node import node_id
 from kv_transfer.ownership import ExportRegistry
@@ -69,7 +70,7 @@ class RegistrySender(KVSender):
     ) -> ExportTicket:
         if not block_ids or not all(0 <= b < self.pool.num_blocks for b in block_ids):
             raise ValueError(f"[request {request_id}] bad block ids {block_ids[:8]}")
-        algo = self.options.checksum
+        algo = checksum_algo_for(self.pool.kv.device, self.options.checksum)
         checksums = block_checksums(self.pool.kv, block_ids, algo)
         self.registry.add(request_id, block_ids, num_tokens, peer_id, checksums)
         return ExportTicket(

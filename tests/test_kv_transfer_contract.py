@@ -86,6 +86,7 @@ def test_transport_moves_a_real_prompt_between_processes(case, prefill_peer, dec
     assert np.array_equal(np.frombuffer(received, np.uint8), np.frombuffer(sent, np.uint8))
     assert tokens == expected
     assert result.transport == expected_transport
+    assert result.checksum == "xxh3_64"
     assert result.num_bytes == len(sent)
     # 6. ack releases the sender's blocks exactly once; both pools end free
     prefill_peer.call("ack", case, request_id)
@@ -120,6 +121,8 @@ def moves_a_prompt_in_one_process(prefill, decode, prompt: list[int]) -> None:
         decode, receiver, ticket, prompt, seq.output_token_ids
     )
     assert (result.transport, received, tokens) == ("local", sent, expected)
+    # Device pools verify on the device (kv_transfer/device_checksum.py); CPU pools as before.
+    assert result.checksum == ("wsum64" if decode.kv_pool.kv.is_cuda else "xxh3_64")
     sender.ack("r")
     for ids in sender.poll_released():
         prefill.release_blocks(ids)

@@ -17,6 +17,20 @@ pairs. Lifecycle of a pair and of one transfer:
     any failure: both ends drop the pair (group aborted, connection closed); the next
     fetch builds a fresh one. The connection closing is how a sender sees a dead peer.
 
+Device pools: both ends issue their NCCL sends and receives with their
+`TransferStream` current (kv_transfer/transfer_stream.py), so NCCL's kernels wait for
+nothing on the engine's compute stream and no compute kernel waits for them. A dead
+peer must fail the transfer and leave the surviving worker serving: before any NCCL
+pair group is made, `nccl_failure_policy` sets (for this process, whatever was set
+before) TORCH_NCCL_BLOCKING_WAIT=1, so `work.wait(timeout)` blocks the transfer's own
+thread and raises there when the peer stops answering (the fetch fails with TIMEOUT or
+PEER_DIED, the pair is dropped); TORCH_NCCL_ASYNC_ERROR_HANDLING=2, so torch's watchdog,
+seeing that timed-out work, aborts the pair's communicator only (its default, 3, tears
+the whole process down); and TORCH_NCCL_ENABLE_MONITORING=0, so a watchdog stuck in
+that abort is not taken for a hung process and killed with it. The cost: a worker
+whose engine hangs is not killed by NCCL either; the controller's health checks are
+what find it.
+
 What is protected: the control connection carries the cluster token and speaks TLS
 when `tls_certfile` is set. What is not: the store listens on `bind_host` in plaintext
 and checks no token (whoever reaches it can read and overwrite the pairs' rendezvous
@@ -29,6 +43,7 @@ not read ones: keep these ports inside the cluster's network.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
@@ -57,10 +72,30 @@ from kv_transfer.listeners import bind_listener
 from kv_transfer.receiver import TransportReceiver, fail, remaining
 from kv_transfer.sender import RegistrySender
 from kv_transfer.shaping import Shaper
+from kv_transfer.transfer_stream import TransferStream
 
 logger = logging.getLogger(__name__)
 
 SENDER_RANK, RECEIVER_RANK = 0, 1
+
+
+NCCL_FAILURE_POLICY = {
+    "TORCH_NCCL_BLOCKING_WAIT": "1",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+    "TORCH_NCCL_ENABLE_MONITORING": "0",
+}
+"""How a dead NCCL peer is handled (module docstring): read by torch when a
+ProcessGroupNCCL is made, so set before every pair group is."""
+
+
+def nccl_failure_policy() -> dict[str, str]:
+    """Set `NCCL_FAILURE_POLICY` in this process's environment (returns what it set);
+    called by `make_pair_group` before it makes an NCCL group."""
+    changed = {k: v for k, v in NCCL_FAILURE_POLICY.items() if os.environ.get(k) != v}
+    if changed:
+        logger.info("NCCL pair groups: setting %s", changed)
+        os.environ.update(changed)
+    return dict(NCCL_FAILURE_POLICY)
 
 
 def make_pair_group(
@@ -70,6 +105,7 @@ def make_pair_group(
     pair_store = dist.PrefixStore(prefix, store)
     timeout = timedelta(seconds=timeout_s)
     if device.type == "cuda":
+        nccl_failure_policy()
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(pair_store, rank, 2, options)
@@ -119,6 +155,8 @@ class CollectiveServer:
         self.control = ControlServer(self.options, self._serve_pair, "kv-collective")
         self.piece_bytes = self._shaper().piece_bytes(self.options.chunk_bytes)
         """Fixed by the options; in the endpoint, so receivers post receives with a fetch."""
+        self.stream = TransferStream(sender.pool.kv.device)
+        """Device pools: the sends are issued here, off the engine's compute stream."""
 
     def _shaper(self) -> Shaper:
         return Shaper(self.options.bandwidth_bytes_per_s, self.options.added_latency_s)
@@ -178,7 +216,8 @@ class CollectiveServer:
         send_message(conn, {"ok": True, "piece_bytes": piece_bytes})
         failure = FailureReason.PEER_DIED
         try:
-            self._send_pieces(group, request_id, pieces, shaper)
+            with self.stream.active():
+                self._send_pieces(group, request_id, pieces, shaper)
             failure = None
         except DropTransfer:
             failure = FailureReason.DROPPED

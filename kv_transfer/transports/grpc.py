@@ -34,6 +34,7 @@ from kv_transfer.receiver import TransportReceiver, fail, remaining
 from kv_transfer.sender import RegistrySender
 from kv_transfer.shaping import Shaper
 from kv_transfer.tls import read_pem
+from kv_transfer.transfer_stream import TransferStream
 from kv_transfer.transports.grpc_wire import deserialize_response, encode_chunk, serialize_response
 from proto import kv_transfer_pb2 as pb
 from proto import kv_transfer_pb2_grpc as pb_grpc
@@ -113,6 +114,8 @@ class _Servicer(pb_grpc.KVTransferServicer):
         self.sender = sender
         self.options = sender.options
         self._pool_bytes = PoolBytes()
+        self._transfer = TransferStream(sender.pool.kv.device)
+        """Device pools: each piece's copy to the host runs here, off compute's stream."""
 
     # Calls reach these methods only past `_TokenCheck`.
 
@@ -158,9 +161,11 @@ class _Servicer(pb_grpc.KVTransferServicer):
         for piece in pieces:
             corrupt = faults.hit(piece.offset, piece.nbytes)
             end = piece.src + piece.nbytes
-            data = (
-                host[piece.src : end] if host is not None else flat[piece.src : end].cpu().numpy()
-            )
+            if host is not None:
+                data = host[piece.src : end]
+            else:
+                with self._transfer.active():  # per piece: this generator yields between
+                    data = flat[piece.src : end].cpu().numpy()
             if corrupt:
                 data = data.copy()
                 data[0] = 255 - data[0]
