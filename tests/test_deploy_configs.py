@@ -104,3 +104,37 @@ def test_the_image_keeps_a_compiler_and_builds_the_kernels_it_installed():
     (entrypoint,) = [i for i, text in enumerate(instructions) if text.startswith("ENTRYPOINT")]
     assert install < user < build < entrypoint
     assert (Path(__file__).resolve().parents[1] / "engine" / "native" / "__main__.py").is_file()
+
+
+def test_one_recipe_builds_a_cpu_image_by_default_and_a_cuda_image_on_request():
+    """VARIANT picks the base stage: the CPU image keeps python:3.11-slim and torch's CPU
+    index; the CUDA image starts from an nvidia/cuda devel image (nvcc for FlashInfer's
+    kernels), takes torch's CUDA wheel, installs a pinned FlashInfer, and fails its build
+    where torch is a CPU build or triton or flashinfer does not import."""
+    instructions = dockerfile_instructions()
+    args = {  # the ARGs with a default (the stage re-declares VARIANT without one)
+        text.split()[1].split("=")[0]: text.split("=", 1)[1]
+        for text in instructions
+        if text.startswith("ARG ") and "=" in text
+    }
+    assert "ARG VARIANT" in instructions  # in scope in the stage that branches on it
+    assert args["VARIANT"] == "cpu"
+    assert args["BASE_IMAGE"] == "python:3.11-slim"
+    assert re.fullmatch(r"nvidia/cuda:[\d.]+-devel-ubuntu[\d.]+", args["CUDA_BASE_IMAGE"])
+    assert re.fullmatch(r"\d+\.\d+\.\d+(\.post\d+)?", args["FLASHINFER_VERSION"])
+    froms = [text for text in instructions if text.startswith("FROM ")]
+    assert froms == [
+        "FROM ${BASE_IMAGE} AS base-cpu",
+        "FROM ${CUDA_BASE_IMAGE} AS base-cuda",
+        "FROM base-${VARIANT}",
+    ]
+    (torch_install,) = [text for text in instructions if '"torch==${TORCH_VERSION}"' in text]
+    assert 'index="${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"' in torch_install
+    assert 'index="${TORCH_INDEX_URL:-https://pypi.org/simple}"' in torch_install
+    (cuda_extras,) = [text for text in instructions if "flashinfer-python==" in text]
+    assert 'if [ "${VARIANT}" = cuda ]' in cuda_extras
+    assert "import torch, triton, flashinfer; assert torch.version.cuda" in cuda_extras
+    apt = next(text for text in instructions if "apt-get install" in text)
+    assert "python3-dev" in apt  # Triton's launchers include Python.h
+    assert instructions.index(torch_install) < instructions.index(cuda_extras)
+    assert instructions.index(cuda_extras) < instructions.index("USER pdserve")
