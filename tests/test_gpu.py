@@ -5,9 +5,13 @@ on the same GPU, decode steps replayed from CUDA graphs captured at start-up (at
 batch bucket), the Triton kernels compiled (against their dense reference, and in the
 engine against the torch gather path), bf16 greedy agreement with transformers on the
 GPU's own matmuls, KV blocks leaving and entering CUDA pools (in one process, and
-between two over gRPC; NCCL pairs need two GPUs), and NVML's reading of the device.
-`make test-gpu` runs this module; docs/operations.md says how to run it on a GPU
-machine that has no network (its own torch, no virtualenv).
+between two over gRPC; NCCL pairs need two GPUs), NVML's reading of the device, the
+KV pool sized from `gpu_memory_utilization` within that share of the device, the device
+checksum against its definition, a transfer running beside decode steps without
+slowing them (its own stream), and a dead NCCL peer failing only the fetch (two GPUs).
+`make test-gpu` runs this module and the short bench (bench/gpu_check.py);
+docs/operations.md says how to run them on a GPU machine that has no network (its own
+torch, no virtualenv).
 """
 
 from __future__ import annotations
@@ -261,3 +265,164 @@ def test_nvml_reads_the_gpu_a_worker_runs_on():
     assert 0.0 <= stats["utilization_ratio"] <= 1.0
     assert 0 < stats["memory_used_bytes"] <= stats["memory_total_bytes"]
     assert read_gpu_stats("cpu") is None
+
+
+def test_kv_pool_sized_within_the_configured_share(tiny_llama_dir):
+    """An engine given no block count sizes its pool from `gpu_memory_utilization`: what
+    the device lost while it was built stays within that share of the device, the pool
+    takes most of it, and the engine serves from it."""
+    share = 0.25
+    torch.zeros(1, device=DEVICE)  # the CUDA context exists before the first reading
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free_before, total = torch.cuda.mem_get_info()
+    engine = gpu_engine(
+        tiny_llama_dir, num_kv_blocks=None, gpu_memory_utilization=share, block_size=256
+    )
+    torch.cuda.synchronize()
+    free_after, _ = torch.cuda.mem_get_info()
+    sizing = engine.kv_sizing
+    assert sizing is not None and engine.kv_pool.num_blocks == sizing.num_blocks
+    assert engine.allocator.num_blocks == sizing.usable_blocks == sizing.num_blocks - 1
+    taken = free_before - free_after
+    assert taken <= share * total, (taken, share * total)
+    # A tiny model: its weights, largest step, graphs and runtime leave the pool most of it.
+    assert sizing.used_bytes < 0.1 * share * total
+    assert taken >= sizing.pool_bytes
+    assert sizing.max_concurrency == sizing.usable_blocks // sizing.blocks_per_seq
+    prompts = [prompt_of(n, salt=13) for n in (5, 40)]
+    assert all(len(s.output_token_ids) == 24 for s in engine.generate(prompts, GREEDY))
+    assert_no_leaks(engine)
+
+
+def test_a_share_that_holds_no_sequence_is_refused_on_the_gpu(tiny_llama_dir):
+    from engine.kv_sizing import KVMemoryError
+
+    with pytest.raises(KVMemoryError, match=r"gpu_memory_utilization 1e-06 of .* Raise"):
+        gpu_engine(tiny_llama_dir, num_kv_blocks=None, gpu_memory_utilization=1e-6)
+
+
+def test_the_device_checksum_equals_its_reference_on_the_gpu():
+    from kv_transfer.device_checksum import wsum64, wsum64_reference
+
+    generator = torch.Generator().manual_seed(5)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        cpu = torch.randn(40, 3, 2, 16, 3, 64, generator=generator).to(dtype)
+        ids = [39, 0, 17, 17, 5]
+        on_gpu = wsum64(cpu.to(DEVICE), ids)
+        assert on_gpu == wsum64(cpu, ids)
+        assert on_gpu[:2] == [
+            wsum64_reference(cpu[b].contiguous().view(torch.uint8).numpy().tobytes())
+            for b in ids[:2]
+        ]
+
+
+DECODE_STEP_TOLERANCE = 1.3
+"""A decode step's median time under a running transfer may exceed its median alone by
+at most this factor (plus 0.2 ms): the transfer's copies and checksums share the GPU's
+memory bandwidth and SMs, but no decode kernel queues behind them. On the engine's own
+stream, each step would wait for whole fetches (hundreds of MB of copies and sums)."""
+
+
+def _decode_step_times(engine, steps: int) -> list[float]:
+    import time
+
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def test_a_transfer_while_decode_runs_leaves_the_decode_step_time_unchanged(tiny_llama_dir):
+    """Decode steps of 8 sequences (CUDA graphs), timed alone and then while another
+    thread keeps fetching 128 MiB exports into the same pool on the `local` transport
+    (the transfer stream, wsum64 verification): the step time holds within
+    DECODE_STEP_TOLERANCE, and the fetches did run during the timed steps. The exports
+    are made first, as a prefill worker's engine thread makes them between its steps."""
+    import statistics
+    import threading
+
+    from engine.kv_cache import KVCachePool
+    from kv_transfer import make_sender
+
+    settings = dict(dtype="bfloat16", block_size=256, num_kv_blocks=4096, max_num_seqs=8)
+    engine = gpu_engine(tiny_llama_dir, **settings)
+    count = (128 << 20) // engine.layout.block_nbytes
+    source = KVCachePool(engine.layout, count, DEVICE)
+    source.kv.normal_()
+    options = TransportOptions(chunk_bytes=64 << 20, token="cluster-secret", timeout_s=30)
+    sender = make_sender("local", "prefill-under-decode", source, options)
+    receiver = make_receiver("local", "decode-under-decode", engine.kv_pool, options)
+    tickets = [
+        sender.export(f"moved-{i}", list(range(count)), count * 256, "decode") for i in range(400)
+    ]
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    for i in range(8):
+        engine.add_request(f"decode-{i}", prompt_of(20 + i, salt=i), params)
+    _decode_step_times(engine, 20)  # prefill and warm-up
+    alone = statistics.median(_decode_step_times(engine, 100))
+    dst = engine.allocator.allocate(count, "transfer-target")
+    done, results = threading.Event(), []
+
+    def keep_fetching():
+        for ticket in tickets:
+            if done.is_set():
+                return
+            results.append(receiver.fetch(ticket, dst, timeout_s=30))
+
+    mover = threading.Thread(target=keep_fetching)
+    mover.start()
+    try:
+        busy = statistics.median(_decode_step_times(engine, 100))
+        fetched_while_timed = len(results)
+    finally:
+        done.set()
+        mover.join()
+    engine.allocator.free(dst)
+    print(f"decode step median: {alone * 1e3:.3f} ms alone, {busy * 1e3:.3f} ms under transfer")
+    assert 3 <= fetched_while_timed < len(tickets)  # the mover was still busy at the end
+    assert all(r.ok and r.checksum == "wsum64" for r in results)
+    assert busy <= alone * DECODE_STEP_TOLERANCE + 0.0002, (alone, busy)
+    for seq_id in list(engine.sequences):
+        engine.abort(seq_id)
+    receiver.close()
+    sender.close()
+    assert_no_leaks(engine)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="an NCCL pair needs two GPUs")
+def test_a_dead_nccl_peer_fails_the_fetch_and_the_worker_serves_on(tiny_llama_dir):
+    """The prefill side dies as its NCCL sends begin: the fetch fails (blocking wait
+    raises in it; the watchdog aborts the pair's communicator, not this process), the
+    destination blocks come back, and this process's engine decodes afterwards."""
+    from dataclasses import replace
+
+    from kv_transfer import FailureReason, FaultOptions
+    from tests.kv_transfer_peer import Peer
+
+    decode = gpu_engine(tiny_llama_dir, num_kv_blocks=64, prefix_caching=False)
+    doomed = Peer(str(tiny_llama_dir), device="cuda:1")
+    options = replace(OPTIONS, timeout_s=10, faults=FaultOptions(mode="kill"))
+    prompt = prompt_of(37, salt=14)
+    try:
+        doomed.call("open_sender", "nccl-kill", "collective", options)
+        ticket_dict, _, first, _ = doomed.call(
+            "prefill_and_export", "nccl-kill", "req-dead", prompt, 8
+        )
+        receiver = make_receiver("collective", "decode-survivor", decode.kv_pool, options)
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        seq = decode.begin_import("req-dead", prompt, first, params, len(prompt))
+        assert decode.reserve_imports() == [seq]
+        try:
+            result = receiver.fetch(ExportTicket.from_dict(ticket_dict), seq.block_ids, 20)
+        finally:
+            receiver.close()
+        assert not result.ok
+        assert result.reason in {FailureReason.PEER_DIED, FailureReason.TIMEOUT}, result
+        assert not decode.finish_import("req-dead", ok=False, recompute=False)
+    finally:
+        doomed.close()
+    assert [len(s.output_token_ids) for s in decode.generate([prompt], GREEDY)] == [24]
+    assert_no_leaks(decode)
