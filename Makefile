@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 help:
 	@echo "make serve   - set up, then serve the demo model on http://127.0.0.1:8000"
 	@echo "make test    - set up, then run ruff and the test suite"
-	@echo "make test-gpu - the CUDA paths alone (tests/test_gpu.py; skipped where no GPU is seen)"
+	@echo "make test-gpu - the GPU check: tests/test_gpu.py, serving at c=1/16, decode vs roofline, attention backends (bench/gpu_check.py; skips where no GPU is seen)"
 	@echo "make bench   - engine benchmark (writes nothing; see docs/benchmarks.md)"
 	@echo "make format  - apply ruff formatting and import sorting"
 	@echo "make tools   - unpack promtool + prometheus (Debian package) into .tools/ for the metrics tests"
@@ -59,10 +59,14 @@ format: setup
 test: lint tools
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# The CUDA paths (also part of `make test`, where they skip without a GPU). A GPU
-# machine with no network runs the module on its own torch: docs/operations.md.
+# The GPU check, under 8 minutes on one H100 (bench/gpu_check.py): the CUDA tests
+# (tests/test_gpu.py, also part of `make test`, where they skip without a GPU), the model
+# served at c=1 and c=16, the batch-1 decode step against the HBM roofline, and Triton
+# against FlashInfer/flash-attn. Its report goes to $OUT, else gpu-check/. A GPU machine
+# with no network runs the same script on its own Python: docs/operations.md.
+GPU_CHECK_ARGS ?=
 test-gpu: setup
-	$(BIN)/python -m pytest -m gpu -rs tests/test_gpu.py $(PYTEST_ARGS)
+	$(BIN)/python -m bench.gpu_check $(GPU_CHECK_ARGS)
 
 # promtool and prometheus for tests/test_metrics.py, from Debian's `prometheus` package,
 # unpacked (never installed: no service starts) into .tools/prometheus/usr/bin.

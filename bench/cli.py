@@ -91,6 +91,7 @@ def add_bench_parser(sub) -> None:
     from bench.bandwidth_sweep import add_bandwidth_parser
     from bench.compare import add_compare_parser
     from bench.compare_servers import add_compare_servers_parser
+    from bench.gpu_check import add_gpu_check_parser
     from bench.results_report import add_report_parser
     from bench.serve_bench import add_serve_bench_parser
     from bench.step_trace import add_steps_parser
@@ -105,6 +106,7 @@ def add_bench_parser(sub) -> None:
     add_report_parser(kinds)
     add_steps_parser(kinds)
     add_bandwidth_parser(kinds)
+    add_gpu_check_parser(kinds)
 
 
 def _run_engine_bench(args: argparse.Namespace) -> int:
