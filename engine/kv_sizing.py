@@ -82,7 +82,8 @@ def size_kv_pool(
 
     Raises `KVMemoryError` when that is less than one `max_model_len` sequence plus the
     scratch, naming the numbers and the smallest fraction that would do, or when the
-    pool would not fit the device's `free_bytes` now (another process holds it)."""
+    pool would not fit `free_bytes`, what the device has free for it now (another
+    process holds the rest)."""
     if not 0 < fraction <= 1:
         raise KVMemoryError(f"gpu_memory_utilization must be in (0, 1], got {fraction!r}")
     kv_bytes = max(0, int(total_bytes * fraction) - used_bytes)
@@ -103,8 +104,8 @@ def size_kv_pool(
         raise KVMemoryError(
             f"a KV pool of {blocks} blocks ({blocks * block_bytes / GIB:.2f} GiB, "
             f"gpu_memory_utilization {fraction:g}) does not fit the {free_bytes / GIB:.2f} "
-            "GiB the device has free: another process or engine holds the rest. Lower "
-            "gpu_memory_utilization or set num_kv_blocks"
+            "GiB the device has free for it: another process or engine holds the rest. "
+            "Lower gpu_memory_utilization or set num_kv_blocks"
         )
     return KVSizing(
         num_blocks=blocks,

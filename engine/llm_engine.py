@@ -179,7 +179,8 @@ class LLMEngine:
             block_size=config.block_size,
             max_model_len=self.max_model_len,
             scratch_blocks=config.scratch_blocks,
-            free_bytes=profile.free_bytes,
+            # What is free now must also hold the graphs and a step's activations.
+            free_bytes=max(0, profile.free_bytes - profile.graph_bytes - profile.activation_bytes),
         )
 
     def rebuild_model(
