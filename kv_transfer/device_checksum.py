@@ -5,14 +5,14 @@ block, synchronising the stream it runs on. `wsum64` is torch arithmetic on the
 block's own device instead, so only one 64-bit sum per block ever crosses to the host
 (one copy per call): the block's bytes read as 32-bit words w[i] (as bytes where its
 size is not a multiple of 4), each sign-extended and multiplied by an odd constant of
-its position, m[i] = (i * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) | 1, all summed
-modulo 2^64 (int64 arithmetic wraps). Integer sums do not depend on the order of
+its position, m[i] = 2 * (i * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) + 1, all
+summed modulo 2^64 (int64 arithmetic wraps). Integer sums do not depend on the order of
 addition, so a CPU and every GPU give the same value for the same bytes.
 
 What it catches: any change to one word (m[i] is odd, so a nonzero change times it is
 nonzero modulo 2^64), and any two different words swapped (the difference of their
-multipliers is their distance times an odd constant, and distance times word
-difference stays far below 2^64). It is a check against corruption, not against an
+multipliers is twice their distance times an odd constant, and distance times word
+difference stays far below 2^63). It is a check against corruption, not against an
 adversary, as the host checksums are.
 
 Who calls it: the sender's `export` (the engine thread, between steps: the compute
@@ -48,7 +48,7 @@ def checksum_algo_for(device: torch.device, configured: str) -> str:
 def position_weights(count: int, device: torch.device) -> torch.Tensor:
     """The odd multipliers m[0..count) as int64 on `device` (kept: one per block shape)."""
     positions = torch.arange(count, dtype=torch.int64, device=device)
-    return (positions * _STEP + _OFFSET) | 1
+    return (positions * _STEP + _OFFSET) * 2 + 1
 
 
 def block_words(kv: torch.Tensor) -> torch.Tensor:
@@ -87,6 +87,6 @@ def wsum64_reference(data: bytes) -> int:
         words = list(data)
     total = 0
     for position, word in enumerate(words):
-        weight = ((position * (_STEP & _MASK) + _OFFSET) & _MASK) | 1
+        weight = ((position * (_STEP & _MASK) + _OFFSET) * 2 + 1) & _MASK
         total = (total + word * weight) & _MASK
     return total

@@ -79,6 +79,12 @@ def test_wsum64_catches_a_flipped_bit_and_swapped_words():
     assert wsum64(swapped, [5])[0] != reference
     assert wsum64(pool.kv.clone(), [5])[0] == reference
     assert 0 <= reference < 1 << 64
+    weights = device_checksum.position_weights(words.shape[0], torch.device("cpu"))
+    assert bool((weights % 2 != 0).all())  # odd: any one changed word changes the sum
+    neighbours = pool.kv.clone()
+    row = block_words(neighbours)[5]
+    row[0], row[1] = words[1], words[0]
+    assert words[0] != words[1] and wsum64(neighbours, [5])[0] != reference
 
 
 def test_device_pools_checksum_on_the_device_and_cpu_pools_as_configured():
