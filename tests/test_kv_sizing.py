@@ -70,7 +70,9 @@ def test_weights_past_the_share_leave_no_pool_and_are_refused():
 
 
 def test_a_pool_larger_than_the_free_memory_is_refused():
-    with pytest.raises(KVMemoryError, match=r"does not fit the 10\.00 GiB the device has free for it"):
+    with pytest.raises(
+        KVMemoryError, match=r"does not fit the 10\.00 GiB the device has free for it"
+    ):
         size_kv_pool(
             H100, 3 * GIB, 0.9, DEMO_BLOCK, block_size=16, max_model_len=2048,
             free_bytes=10 * GIB,
