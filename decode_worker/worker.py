@@ -230,9 +230,8 @@ class DecodeWorker(EngineActor):
 
     def _fetch(self, ticket, block_ids: list[int], held: int, admission_s: float) -> None:
         """On a fetch thread: move the bytes, then settle the import on the engine thread."""
-        result = self.receiver.fetch(
-            ticket, block_ids, self.spec.transfer_timeout_s, held_blocks=held
-        )
+        timeout_s = self.spec.transport_options.timeout_s
+        result = self.receiver.fetch(ticket, block_ids, timeout_s, held_blocks=held)
         self.loop.post(lambda e: self._finish_import(e, ticket, result, admission_s, held))
 
     def _finish_import(

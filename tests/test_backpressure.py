@@ -176,7 +176,7 @@ def test_a_stream_nobody_reads_is_held_on_its_decode_worker_and_ends_whole(tiny_
     ends with every token transformers makes."""
     prompt = [(5 * i) % 300 + 3 for i in range(20)]
     params = SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)
-    config = tiny_cluster_config(tiny_llama_dir, transport="shm", max_model_len=512)
+    config = tiny_cluster_config(tiny_llama_dir, transport={"name": "shm"}, max_model_len=512)
 
     async def held_state(cluster, request_id: str) -> tuple[str, int] | None:
         for state in (await cluster.controller.debug_states()).values():

@@ -452,10 +452,10 @@ def test_loopback_binds_may_go_without_a_token(host):
 
 
 def test_the_cluster_config_binds_off_loopback_only_with_the_token_it_draws():
-    config = ClusterConfig(transport_options={"bind_host": "0.0.0.0"})  # validates
+    config = ClusterConfig.from_dict({"transport": {"bind_host": "0.0.0.0"}})  # validates
     with pytest.raises(ConfigError, match=re.escape("bind_host '0.0.0.0'")):
         config.kv_transport_options()  # no worker may get these without a token
-    drawn = config.replace(cluster_token="drawn").kv_transport_options()
+    drawn = config.replace(transport={"token": "drawn"}).kv_transport_options()
     assert (drawn.bind_host, drawn.token) == ("0.0.0.0", "drawn")
 
 

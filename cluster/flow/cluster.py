@@ -51,8 +51,9 @@ class PDCluster:
     """Owned by one driver process (the HTTP frontend, a test, a script)."""
 
     def __init__(self, config: ClusterConfig):
-        if not config.cluster_token:
-            config = config.replace(cluster_token=envs.cluster_token() or secrets.token_hex(16))
+        if not config.transport.token:
+            token = envs.cluster_token() or secrets.token_hex(16)
+            config = config.replace(transport={"token": token})
         self.config = config
         model_dir, self.model_id = resolve_model(config.model)
         self.tokenizer = Tokenizer(model_dir)
@@ -128,9 +129,9 @@ class PDCluster:
                 "max_tokens)",
                 request_id,
             )
-        pools = {"decode": (self.config.decode_kv_blocks, wanted)}
+        pools = {"decode": (self.config.decode.kv_blocks, wanted)}
         if self.config.mode == "disaggregated":
-            pools["prefill"] = (self.config.prefill_kv_blocks, len(prompt_ids) + 1)
+            pools["prefill"] = (self.config.prefill.kv_blocks, len(prompt_ids) + 1)
         for role, (blocks, tokens) in pools.items():
             if blocks_needed(tokens, self.config.block_size) > blocks:
                 raise InvalidRequestError(

@@ -104,7 +104,7 @@ class RequestFlow:
             router.views,
             config.prefill_chunk_size,
             config.block_size,
-            config.kv_transport_options().bandwidth_bytes_per_s,
+            config.transport.bandwidth_bytes_per_s,
             decode_chunk=config.decode_prefill_chunk,
         )
 
