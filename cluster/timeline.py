@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from cluster.recoveries import Recovery, RecoveryPath
 from engine.kv_cache import KVLayout
 from worker.messages import ImportEvent, PrefillResult
 
@@ -39,9 +40,9 @@ class RequestTimeline:
     transfer_failure: str | None = None
     """`FailureReason` value when the KV import failed."""
     recomputed: bool = False
-    recoveries: list[str] = field(default_factory=list)
+    recoveries: list[Recovery] = field(default_factory=list)
     """What went wrong and was recovered from: prefill_died, decode_died, transfer_failed..."""
-    recovery_paths: list[str] = field(default_factory=list)
+    recovery_paths: list[RecoveryPath] = field(default_factory=list)
     """How each recovery got the KV back: repull, recompute, decode_side_prefill."""
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable
 
 from cluster.config import ClusterConfig
 from cluster.control.controller import Controller
-from cluster.flow.request import ClusterRequest, GenerationChunk
+from cluster.flow.request import CloseReason, ClusterRequest, GenerationChunk
 from cluster.flow.request_flow import RequestFlow
 from cluster.flow.router import Router
 from cluster.timeline import RequestTimeline
@@ -145,22 +145,22 @@ class PDCluster:
         Raises `RequestTimeoutError` past `request_timeout_s` (the request is aborted)."""
         deadline = time.monotonic() + self.config.request_timeout_s
         stream = self.flow.run(req)
-        reason = "error"
+        reason = CloseReason.ERROR
         try:
             while True:
                 try:
                     chunk = await asyncio.wait_for(anext(stream), deadline - time.monotonic())
                 except StopAsyncIteration:
-                    reason = "finished"
+                    reason = CloseReason.FINISHED
                     return
                 except asyncio.TimeoutError:
-                    reason = "timeout"
+                    reason = CloseReason.TIMEOUT
                     raise RequestTimeoutError(
                         req.request_id, self.config.request_timeout_s
                     ) from None
                 yield self._stamp(req, chunk)
         except (GeneratorExit, asyncio.CancelledError):
-            reason = "cancelled"
+            reason = CloseReason.CANCELLED
             raise
         finally:
             await stream.aclose()

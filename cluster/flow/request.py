@@ -15,6 +15,7 @@ twice.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,9 +28,20 @@ from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-CloseReason = str
-"""`finished`, `cancelled` (the caller went away), `timeout`, `error`, or `shutdown` (cut
-at the end of the server's drain, `cluster.api.drain`)."""
+
+class CloseReason(enum.StrEnum):
+    """Why a request was closed. The values are the strings the frontend's outcome
+    metric and logs have always shown (a `StrEnum` is its value wherever it is printed,
+    compared or written to JSON)."""
+
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+    """The caller went away."""
+    TIMEOUT = "timeout"
+    """Past `request_timeout_s`."""
+    ERROR = "error"
+    SHUTDOWN = "shutdown"
+    """Cut at the end of the server's drain (`cluster.api.drain`)."""
 
 
 class RequestFailedError(RuntimeError):
@@ -154,7 +166,7 @@ class ClusterRequest:
         when the client goes away; never blocks."""
         if self.closed:
             return
-        self.close_reason = reason
+        self.close_reason = CloseReason(reason)
         for worker in list(self._holders.values()):
             self._abort_on(worker)
         self._holders.clear()
