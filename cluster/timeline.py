@@ -15,7 +15,6 @@ import itertools
 from dataclasses import dataclass, field
 
 from cluster.recoveries import Recovery, RecoveryPath
-from engine.kv_cache import KVLayout
 from worker.messages import ImportEvent, PrefillResult
 
 
@@ -64,7 +63,7 @@ class RequestTimeline:
         self.cached_tokens = min(result.num_cached_tokens, self.num_prompt_tokens)
         layout = getattr(result.ticket, "layout", None)
         if layout is not None:
-            self.kv_block_bytes = KVLayout(**layout).block_nbytes
+            self.kv_block_bytes = layout.block_nbytes
 
     def on_import(self, sent: float, received: float, event: ImportEvent) -> None:
         self.decode_sent, self.import_received, self.imported = sent, received, event

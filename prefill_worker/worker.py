@@ -25,6 +25,7 @@ from engine.engine_loop import EngineLoop
 from engine.errors import RequestAbortedError
 from engine.llm_engine import LLMEngine
 from engine.sequence import SequenceOutput
+from kv_transfer.endpoints import SenderEndpoint
 from worker.actor import EngineActor
 from worker.health import (
     StartupTimer,
@@ -204,7 +205,7 @@ class PrefillWorker(EngineActor):
             "exports_at_risk": self.sender.at_risk_request_ids(),
         }
 
-    async def endpoint(self) -> dict:
+    async def endpoint(self) -> SenderEndpoint:
         return self.sender.endpoint()
 
     async def shutdown(self) -> None:

@@ -57,7 +57,6 @@ from cluster.flow.request import (
 )
 from cluster.flow.router import Claim, LocalPrefill, NoLiveWorkerError, Router
 from cluster.recoveries import Recovery, RecoveryPath
-from engine.kv_cache import KVLayout
 from engine.sampling_params import SamplingParams
 from worker.messages import (
     DecodeRequest,
@@ -267,7 +266,7 @@ class RequestFlow:
         the KV again (`_rebuild_kv`); otherwise the export is released."""
         exporter = req.exporter
         if req.ticket is not None and exporter is not None and exporter.alive:
-            kv_bytes = KVLayout(**req.ticket.layout).block_nbytes * len(req.ticket.block_ids)
+            kv_bytes = req.ticket.layout.block_nbytes * len(req.ticket.block_ids)
             if self.costs.choose(len(req.prompt_ids), len(req.decided), kv_bytes) == "repull":
                 return True
         req.release_export()

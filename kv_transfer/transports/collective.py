@@ -51,6 +51,7 @@ from kv_transfer.control import (
     responsive,
     send_message,
 )
+from kv_transfer.endpoints import CollectiveEndpoint, HostPort
 from kv_transfer.faults import DropTransfer, FaultPlan
 from kv_transfer.integrity import BlockVerifier
 from kv_transfer.listeners import bind_listener
@@ -123,15 +124,13 @@ class CollectiveServer:
     def _shaper(self) -> Shaper:
         return Shaper(self.options.bandwidth_bytes_per_s, self.options.added_latency_s)
 
-    def endpoint(self) -> dict:
+    def endpoint(self) -> CollectiveEndpoint:
         host = self.options.dial_host
-        return {
-            "collective": {
-                "control": [host, self.control.port],
-                "store": [host, self.store.port],
-                "piece_bytes": self.piece_bytes,
-            }
-        }
+        return CollectiveEndpoint(
+            control=HostPort(host, self.control.port),
+            store=HostPort(host, self.store.port),
+            piece_bytes=self.piece_bytes,
+        )
 
     def _serve_pair(self, conn: socket.socket, message: dict) -> None:
         if message.get("op") != "pair":
@@ -253,8 +252,8 @@ class CollectiveReceiver(TransportReceiver):
         return existing
 
     def _build_pair(self, ticket: ExportTicket, deadline: float) -> _Pair:
-        info = ticket.sender_endpoint["collective"]
-        (host, port), (store_host, store_port) = info["control"], info["store"]
+        info = ticket.sender_endpoint.collective
+        (host, port), (store_host, store_port) = info.control, info.store
         timeout = remaining(deadline, ticket)
         try:
             conn = ControlConnection(host, port, self.options, timeout)
@@ -293,7 +292,7 @@ class CollectiveReceiver(TransportReceiver):
         deadline: float,
         verifier: BlockVerifier,
     ) -> str:
-        if ticket.sender_endpoint.get("collective") is None:
+        if ticket.sender_endpoint.collective is None:
             raise fail(ticket, FailureReason.INTERNAL, "sender does not serve collective")
         pair = self._pair(ticket, deadline)
         with pair.lock:
@@ -309,7 +308,7 @@ class CollectiveReceiver(TransportReceiver):
         self, pair: _Pair, ticket, dst_block_ids: list[int], deadline: float, verifier
     ) -> None:
         request = {"op": "fetch", "request_id": ticket.request_id, "dst_block_ids": dst_block_ids}
-        piece_bytes = ticket.sender_endpoint["collective"]["piece_bytes"]
+        piece_bytes = ticket.sender_endpoint.collective.piece_bytes
         try:
             # Receives posted with the fetch: the first piece flies without waiting for
             # the reply's round trip (a third of a 1 MiB transfer here).
@@ -343,9 +342,9 @@ class CollectiveReceiver(TransportReceiver):
 
     def _classify(self, ticket: ExportTicket, exc: Exception) -> KVTransferError:
         """Tell a dead sender from a dropped or timed-out transfer after a wait failed."""
-        host, port = ticket.sender_endpoint["collective"]["control"]
+        control = ticket.sender_endpoint.collective.control
         text = str(exc).lower()
-        if not responsive(host, port, self.options):
+        if not responsive(control.host, control.port, self.options):
             reason = FailureReason.PEER_DIED
         elif isinstance(exc, TimeoutError) or "timed out" in text or "timeout" in text:
             reason = FailureReason.TIMEOUT

@@ -61,6 +61,7 @@ from kv_transfer.control import (
     responsive,
     send_message,
 )
+from kv_transfer.endpoints import HostPort, ShmEndpoint, ShmTable
 from kv_transfer.faults import DropTransfer, FaultPlan
 from kv_transfer.integrity import BlockVerifier
 from kv_transfer.receiver import TransportReceiver, fail, remaining
@@ -104,7 +105,7 @@ def remove_stale_files(shm_dir: str) -> None:
 
 
 def _sender_gone(ticket: ExportTicket) -> bool:
-    return _writer_gone(ticket.sender_endpoint["shm"]["path"])
+    return _writer_gone(ticket.sender_endpoint.shm.path)
 
 
 EXIT_GRACE_S = 1.0
@@ -171,19 +172,17 @@ class ShmServer:
         sender.registry.listen(self.table)
         self.control = ControlServer(options, self._handle, f"kv-shm-{sender.worker_id}")
 
-    def endpoint(self) -> dict:
+    def endpoint(self) -> ShmEndpoint:
         pool = self.sender.pool
         table = None
         if self.faults.mode not in SENDER_FAULTS:
-            table = {"path": self.table_path, "blocks": pool.num_blocks}
-        return {
-            "shm": {
-                "path": self.path,
-                "nbytes": pool.kv.numel() * pool.kv.element_size(),
-                "control": [self.sender.options.dial_host, self.control.port],
-                "table": table,
-            }
-        }
+            table = ShmTable(self.table_path, pool.num_blocks)
+        return ShmEndpoint(
+            path=self.path,
+            nbytes=pool.kv.numel() * pool.kv.element_size(),
+            control=HostPort(self.sender.options.dial_host, self.control.port),
+            table=table,
+        )
 
     def _handle(self, conn: socket.socket, message: dict) -> None:
         while True:
@@ -250,8 +249,8 @@ class ShmReceiver(TransportReceiver):
         """The sender's pool bytes, mapped once per sender generation: a restarted sender
         has a new file, and the old mapping is dropped (it alone kept the dead pool's
         pages allocated in /dev/shm after the file was removed)."""
-        info = ticket.sender_endpoint["shm"]
-        path, nbytes = info["path"], int(info["nbytes"])
+        info = ticket.sender_endpoint.shm
+        path, nbytes = info.path, info.nbytes
         cached = self._maps.get(ticket.sender_id)
         if cached is not None and cached[0] == path:
             return cached[2]
@@ -273,8 +272,8 @@ class ShmReceiver(TransportReceiver):
 
     @staticmethod
     def _address(ticket: ExportTicket) -> tuple[str, int]:
-        host, port = ticket.sender_endpoint["shm"]["control"]
-        return host, int(port)
+        control = ticket.sender_endpoint.shm.control
+        return control.host, control.port
 
     def _checkout(self, ticket: ExportTicket, deadline: float) -> ControlConnection:
         """An idle connection to the ticket's sender, or a new one."""
@@ -334,7 +333,7 @@ class ShmReceiver(TransportReceiver):
         deadline: float,
         verifier: BlockVerifier,
     ) -> str:
-        if ticket.sender_endpoint.get("shm") is None:
+        if ticket.sender_endpoint.shm is None:
             raise fail(ticket, FailureReason.INTERNAL, "sender does not serve shm")
         src = self._mapped(ticket)
         try:
@@ -362,23 +361,23 @@ class ShmReceiver(TransportReceiver):
     def _table(self, ticket: ExportTicket) -> ExportTable | None:
         """The export table of the ticket's sender generation, once that sender has
         accepted us (`_open_table`); None before, and for senders that publish none."""
-        info = ticket.sender_endpoint["shm"].get("table")
+        info = ticket.sender_endpoint.shm.table
         cached = self._tables.get(ticket.sender_id)
-        if info is None or cached is None or cached[0] != info["path"]:
+        if info is None or cached is None or cached[0] != info.path:
             return None
         return cached[1]
 
     def _open_table(self, ticket: ExportTicket) -> None:
         """Map the sender's export table after a `begin` it answered (token checked), so
         that the next fetches from this sender generation read their lease there."""
-        info = ticket.sender_endpoint["shm"].get("table")
+        info = ticket.sender_endpoint.shm.table
         if info is None or self._table(ticket) is not None:
             return
-        table = ExportTable.open(info["path"], int(info["blocks"]), self.pool.layout.block_nbytes)
+        table = ExportTable.open(info.path, info.blocks, self.pool.layout.block_nbytes)
         if table is None:
             return
         # A restarted sender's predecessor is unmapped once no fetch still reads it.
-        self._tables[ticket.sender_id] = (info["path"], table)
+        self._tables[ticket.sender_id] = (info.path, table)
 
     def _pull_leased(self, ticket, table: ExportTable, src, dst_block_ids, deadline, verifier):
         """The copy with no control message: the export's tags in the sender's table say
@@ -517,7 +516,7 @@ class ShmReceiver(TransportReceiver):
         (the file may be gone: the mapping keeps the pages), so an import waiting for
         blocks need not give up on it; a later fetch copies it and verifies."""
         cached = self._maps.get(ticket.sender_id)
-        path = ticket.sender_endpoint["shm"]["path"]
+        path = ticket.sender_endpoint.shm.path
         return cached is not None and cached[0] == path and _sender_gone(ticket)
 
     def close(self) -> None:
