@@ -60,7 +60,7 @@ class RequestTimeline:
     def on_prefill(self, sent: float, answered: float, result: PrefillResult) -> None:
         self.prefill_sent, self.prefill_answered, self.prefill = sent, answered, result
         self.prefill_worker = result.worker_id
-        self.cached_tokens = min(result.num_cached_tokens, self.num_prompt_tokens)
+        self.cached_tokens = min(result.first.num_cached_tokens, self.num_prompt_tokens)
         layout = getattr(result.ticket, "layout", None)
         if layout is not None:
             self.kv_block_bytes = layout.block_nbytes
@@ -116,7 +116,7 @@ class RequestTimeline:
         reused = imported.reused_blocks if imported else 0
         return {
             "cached_tokens": self.cached_tokens or 0,
-            "prefill_cached_tokens": self.prefill.num_cached_tokens if self.prefill else 0,
+            "prefill_cached_tokens": self.prefill.first.num_cached_tokens if self.prefill else 0,
             "decode_reused_blocks": reused,
             "kv_blocks_moved": imported.moved_blocks if imported else 0,
             "kv_bytes_saved": reused * self.kv_block_bytes,

@@ -418,10 +418,7 @@ def result_of(request, ticket=True) -> PrefillResult:
     return PrefillResult(
         request.request_id,
         "prefill-0",
-        7,
-        "x",
-        False,
-        None,
+        TokenEvent([7], "x", False, None, 1),
         len(request.prompt_token_ids),
         ticket=SimpleNamespace(num_tokens=3) if ticket else None,
         queue_s=0.0,

@@ -138,18 +138,9 @@ class RequestFlow:
             req.timeline.recovery_paths.append(RecoveryPath.DECODE_SIDE_PREFILL)
         if isinstance(result, PrefillElsewhere):
             return
-        first = GenerationChunk(
-            req.request_id,
-            [result.first_token_id],
-            result.first_text,
-            finished=result.finished,
-            finish_reason=result.finish_reason,
-            num_output_tokens=1,
-            logprobs=[result.first_logprobs] if result.first_logprobs else None,
-            prompt_logprobs=result.prompt_logprobs,
-        )
+        first = GenerationChunk(req.request_id, result.first)
         req.prompt_computed()
-        req.decided.append(result.first_token_id)
+        req.decided += result.first.token_ids
         req.text_len += len(first.text)
         req.ticket = result.ticket
         if self.config.first_token_from == "prefill" or first.finished:
@@ -376,16 +367,7 @@ class RequestFlow:
             req.prompt_computed()
         if item.finished:
             req.let_go(worker)
-        yield GenerationChunk(
-            request_id=req.request_id,
-            token_ids=item.token_ids,
-            text=item.text,
-            finished=item.finished,
-            finish_reason=item.finish_reason,
-            num_output_tokens=item.num_output_tokens,
-            logprobs=item.logprobs,
-            prompt_logprobs=item.prompt_logprobs,
-        )
+        yield GenerationChunk(req.request_id, item)
 
     async def _pick_waiting(
         self, role: str, req: ClusterRequest, tokens: list[int], predict: bool = True
