@@ -94,7 +94,9 @@ class TransportConfig(TransportOptions):
     prefill and decode worker builds it with. The options are `TransportOptions`' own
     fields (kv_transfer/config.py), declared there once; its `token` (the cluster token)
     may be unset here, and the cluster draws one at start. Workers get `options()`: a
-    plain `TransportOptions`, with the token."""
+    plain `TransportOptions`, with the token; this section itself never reaches a
+    transport, since without the token it may hold a bind off loopback that
+    `TransportOptions` alone would refuse."""
 
     name: TransportName = field(default="auto", metadata={"flag": "--transport"})
     """KV transport: `auto` (shm on one node, collective across nodes), shm, collective,
