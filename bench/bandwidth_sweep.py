@@ -43,12 +43,13 @@ MODES = ("decode", "prefill")
 
 
 def run_point(args, bandwidth: float | None, mode: str, spec: RunSpec, port=None) -> dict:
-    options = {} if bandwidth is None else {"bandwidth_bytes_per_s": bandwidth}
+    transport = {"name": args.transport}
+    if bandwidth is not None:
+        transport["bandwidth_bytes_per_s"] = bandwidth
     config = {
         "model": args.model,
         "dtype": args.dtype,
-        "transport": args.transport,
-        "transport_options": options,
+        "transport": transport,
         "first_token_from": mode,
         "disaggregation": args.disaggregation,
     }

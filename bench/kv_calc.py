@@ -84,7 +84,7 @@ def kv_capacity(
     tp: int = 1,
     context: int = 4096,
 ) -> KvCapacity:
-    """The whole calculation; `model` is a ModelShape (or the engine's ModelSpec)."""
+    """The whole calculation; `model` is the engine's `ModelSpec` (`load_shape`)."""
     kv_dtype = kv_dtype or dtype
     if block_size <= 0 or tp <= 0 or context <= 0 or not 0 < memory_utilization <= 1:
         raise ValueError("block size, tp and context must be positive; utilization in (0, 1]")
@@ -96,7 +96,7 @@ def kv_capacity(
     budget = max(0, int(device_memory * memory_utilization) - weights)
     blocks = budget // per_block
     return KvCapacity(
-        model=model.name,
+        model=model.model_id,
         dtype=dtype,
         kv_dtype=kv_dtype,
         tp=tp,

@@ -1,43 +1,27 @@
 """The shapes of a Llama-family model that capacity and roofline arithmetic need.
 
 `pdserve kv-calc` and `pdserve roofline` read a model here (`demo`, a local HF
-directory, or a bare `config.json`, which is enough: no weights are opened), and
-`bench/roofline.py` counts FLOPs and bytes from the resulting `ModelShape`. The
-engine's own `ModelSpec` carries the same field names, so the roofline accepts either.
+directory, or a bare `config.json`, which is enough: no weights are opened) with the
+engine's own reader (engine/model_spec.py), so a config means the same here as in a
+worker: its `ModelSpec`, whose shape fields (num_layers, hidden_size,
+intermediate_size, num_heads, num_kv_heads, head_dim, vocab_size,
+tie_word_embeddings) `bench/roofline.py` counts FLOPs and bytes from.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
+
+from engine.errors import ModelLoadError
+from engine.model_spec import ModelSpec, load_model_spec, spec_from_hf_config
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 """Bytes per element of each dtype the calculators know (fp8 for KV caches and weights)."""
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """Dimensions of a decoder-only transformer with grouped-query attention."""
-
-    name: str
-    num_layers: int
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    tie_word_embeddings: bool
-
-    def __post_init__(self) -> None:
-        for field in ("num_layers", "hidden_size", "intermediate_size", "num_heads"):
-            if getattr(self, field) <= 0:
-                raise ValueError(f"{field} must be positive, got {getattr(self, field)}")
-        if self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})"
-            )
+UNUSED_BY_SHAPES = {"rms_norm_eps": 1e-5, "max_position_embeddings": 0}
+"""Fields the engine's reader takes that no shape arithmetic reads: a bare config given
+to the calculators may leave them out."""
 
 
 def layer_linear_params(model) -> int:
@@ -67,27 +51,19 @@ def total_params(model) -> int:
     return streamed_weight_params(model) + embedding
 
 
-def shape_from_config(config: dict, name: str) -> ModelShape:
-    """A HF `config.json` dict -> ModelShape (Llama, Mistral, Qwen2 key names)."""
+def shape_from_config(config: dict, name: str) -> ModelSpec:
+    """A HF `config.json` dict -> the engine's `ModelSpec` (its key names and defaults)."""
     try:
-        num_heads = int(config["num_attention_heads"])
-        hidden = int(config["hidden_size"])
-        return ModelShape(
-            name=name,
-            num_layers=int(config["num_hidden_layers"]),
-            hidden_size=hidden,
-            intermediate_size=int(config["intermediate_size"]),
-            num_heads=num_heads,
-            num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
-            head_dim=int(config.get("head_dim") or hidden // num_heads),
-            vocab_size=int(config["vocab_size"]),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        )
-    except KeyError as exc:
-        raise ValueError(f"{name}: config has no {exc.args[0]!r}") from None
+        spec = spec_from_hf_config(SimpleNamespace(**{**UNUSED_BY_SHAPES, **config}), name)
+    except AttributeError as exc:
+        raise ValueError(f"{name}: config has no {exc.name!r}") from None
+    except ModelLoadError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+    _check(spec)
+    return spec
 
 
-def load_shape(model: str | None = None, config_path: str | None = None) -> ModelShape:
+def load_shape(model: str | None = None, config_path: str | None = None) -> ModelSpec:
     """Called by the kv-calc and roofline CLIs: `demo`, a model directory, or a config file."""
     if config_path:
         path = Path(config_path)
@@ -99,7 +75,21 @@ def load_shape(model: str | None = None, config_path: str | None = None) -> Mode
     else:
         directory = Path(model or "").expanduser()
         name = directory.name
-    config_file = directory / "config.json"
-    if not config_file.is_file():
+    if not (directory / "config.json").is_file():
         raise ValueError(f"--model {model!r} is neither 'demo' nor a directory with config.json")
-    return shape_from_config(json.loads(config_file.read_text()), name)
+    try:
+        spec = load_model_spec(directory, name)
+    except ModelLoadError as exc:
+        raise ValueError(str(exc)) from None
+    _check(spec)
+    return spec
+
+
+def _check(spec: ModelSpec) -> None:
+    for field in ("num_layers", "hidden_size", "intermediate_size", "num_heads"):
+        if getattr(spec, field) <= 0:
+            raise ValueError(f"{field} must be positive, got {getattr(spec, field)}")
+    if spec.num_kv_heads <= 0 or spec.num_heads % spec.num_kv_heads:
+        raise ValueError(
+            f"num_kv_heads ({spec.num_kv_heads}) must divide num_heads ({spec.num_heads})"
+        )

@@ -17,16 +17,15 @@ Public API (also used by `pdserve bench engine` to put its measured step times n
 this bound on the same machine):
 
     from bench.roofline import hardware_profile, decode_step, prefill_step, roofline
-    from bench.model_shape import load_shape          # or pass the engine's ModelSpec
+    from bench.model_shape import load_shape          # the engine's ModelSpec of a model
 
     hw = hardware_profile("cpu", dtypes=("float32",))   # measured now; or "h100", ...
     step = decode_step(model, hw, batch=16, context=288, dtype="float32")
     step.lower_bound_s, step.bound, step.intensity, step.ridge   # StepRoofline fields
     roofline(model, hw, batch=1, context=256, prompt=256, dtype="bfloat16")  # both phases
 
-`model` is anything with ModelShape's fields (num_layers, hidden_size,
-intermediate_size, num_heads, num_kv_heads, head_dim, vocab_size); the engine's
-`ModelSpec` has them.
+`model` is the engine's `ModelSpec`, or anything with its shape fields (num_layers,
+hidden_size, intermediate_size, num_heads, num_kv_heads, head_dim, vocab_size).
 """
 
 from __future__ import annotations
@@ -226,11 +225,11 @@ def _run(args: argparse.Namespace) -> int:
     steps = roofline(model, hardware, args.batch, args.context, args.prompt, dtype)
     if args.json:
         report = {
-            "model": model.name,
+            "model": model.model_id,
             "hardware": asdict(hardware),
             **{phase: {**asdict(s), "tokens_per_s": s.tokens_per_s} for phase, s in steps.items()},
         }
         print(json.dumps(report, indent=2))
     else:
-        print(format_roofline(model.name, hardware, steps))
+        print(format_roofline(model.model_id, hardware, steps))
     return 0

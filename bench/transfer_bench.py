@@ -437,7 +437,7 @@ class PoolMemcpy:
 
         import numpy as np
 
-        path = ticket.sender_endpoint["shm"]["path"]
+        path = ticket.sender_endpoint.shm.path
         if path not in self.maps:
             fd = os.open(path, os.O_RDONLY)
             try:

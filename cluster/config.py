@@ -2,20 +2,31 @@
 
 `ClusterConfig.load(path, overrides)` reads YAML (unknown keys are an error, with the
 list of valid ones), applies CLI overrides, and validates everything before any Ray
-actor starts.
+actor starts. Besides its own keys the config has three sections, each a frozen
+dataclass of its own and a nested mapping in YAML:
+
+    prefill: {workers: 2, kv_blocks: 1024}      # PoolConfig: the prefill pool
+    decode: {workers: 2, kv_blocks: 4096}       # PoolConfig: the decode pool
+    transport: {name: grpc, chunk_bytes: ...}   # TransportConfig: the KV transport
+
+Each value has one owner: the transport's options (lease, timeouts, binds, TLS,
+faults) are `kv_transfer.TransportOptions`' fields, declared there and nowhere else.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import yaml
 
+from cluster.config_flags import section_type
 from engine.config import EngineConfig, ModelSettings
+from kv_transfer.config import TransportOptions
 from worker.spec import TransferFailurePolicy, WorkerRole, WorkerSpec
 
 Mode = Literal["disaggregated", "colocated"]
@@ -30,12 +41,85 @@ DECODE_SIDE_PREFILL_CPU_STEP_TOKENS = 256
 """Default step cap of a CPU decode worker under `disaggregation: auto`
 (`ClusterConfig.decode_step_tokens`)."""
 UNDRAWN_TOKEN = "drawn-at-cluster-start"
-"""Stands in for an unset `cluster_token` when the transport options are validated
+"""Stands in for an unset `transport.token` when the transport options are validated
 before the cluster draws the real one (it never reaches a worker)."""
+MOVED_KEYS = {
+    "prefill_workers": "prefill.workers",
+    "decode_workers": "decode.workers",
+    "prefill_kv_blocks": "prefill.kv_blocks",
+    "decode_kv_blocks": "decode.kv_blocks",
+    "prefill_batch_tokens": "prefill.batch_tokens",
+    "decode_batch_tokens": "decode.batch_tokens",
+    "transport_options": "the transport section's own keys (transport.chunk_bytes, ...)",
+    "lease_ttl_s": "transport.lease_ttl_s",
+    "transfer_timeout_s": "transport.timeout_s",
+    "cluster_token": "transport.token",
+}
+"""Keys of the flat config that became section keys: named in the error a file that
+still uses one gets (they are not aliases; each value has one key)."""
 
 
 class ConfigError(ValueError):
     """A configuration value or key is wrong; the message names the field."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolConfig:
+    """One role's worker pool: the `prefill` and `decode` sections."""
+
+    workers: int = 1
+    """Workers of this role to start (decode, in colocated mode: the colocated workers,
+    each prefilling and decoding; prefill: at least 1 in disaggregated mode)."""
+    kv_blocks: int
+    """KV blocks per worker: a prefill worker holds prompts in them until their KV is
+    exported and acked; a decode (or colocated) worker's are its admission capacity."""
+    batch_tokens: int | None = None
+    """Step budget of each worker of the pool, in tokens (prefill: on CPUs also the cap
+    of a colocated worker's step). None: a default per role and device (see
+    `ClusterConfig.prefill_step_tokens`, `decode_step_tokens`, `colocated_step_tokens`)."""
+
+    def check(self, section: str) -> None:
+        """Called by `ClusterConfig.__post_init__`, which names the section."""
+        values = {"workers": (self.workers, 0), "kv_blocks": (self.kv_blocks, 1)}
+        if self.batch_tokens is not None:
+            values["batch_tokens"] = (self.batch_tokens, 1)
+        for name, (value, least) in values.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ConfigError(f"{section}.{name} must be an integer >= {least}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class TransportConfig(TransportOptions):
+    """The `transport` section: which KV transport moves blocks, and the options every
+    prefill and decode worker builds it with. The options are `TransportOptions`' own
+    fields (kv_transfer/config.py), declared there once; its `token` (the cluster token)
+    may be unset here, and the cluster draws one at start. Workers get `options()`: a
+    plain `TransportOptions`, with the token; this section itself never reaches a
+    transport, since without the token it may hold a bind off loopback that
+    `TransportOptions` alone would refuse."""
+
+    name: TransportName = field(default="auto", metadata={"flag": "--transport"})
+    """KV transport: `auto` (shm on one node, collective across nodes), shm, collective,
+    grpc, local."""
+
+    def __post_init__(self) -> None:
+        # Validated as the workers will get it: with the token the cluster draws when
+        # none is set (TransportOptions' own check would refuse an off-loopback bind).
+        if self.name not in get_args(TransportName):
+            raise ConfigError(
+                f"transport.name must be one of {list(get_args(TransportName))}, got {self.name!r}"
+            )
+        self.options(token=UNDRAWN_TOKEN)
+
+    def options(self, token: str | None = None) -> TransportOptions:
+        """The options a worker builds its sender / receiver with; `token` stands in for
+        an unset `token` (validation before the cluster draws one)."""
+        values = {f.name: getattr(self, f.name) for f in fields(TransportOptions)}
+        values["token"] = self.token or token or ""
+        try:
+            return TransportOptions(**values)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"transport: {exc}") from exc
 
 
 @dataclass(frozen=True)
@@ -45,10 +129,10 @@ class ClusterConfig(ModelSettings):
 
     mode: Mode = "disaggregated"
     """`disaggregated` (prefill and decode pools) or `colocated` (one worker does both)."""
-    prefill_workers: int = 1
-    """Prefill workers (disaggregated mode)."""
-    decode_workers: int = 1
-    """Decode workers (in colocated mode: colocated workers, each prefilling and decoding)."""
+    prefill: PoolConfig = PoolConfig(kv_blocks=1024)
+    """The prefill pool (disaggregated mode)."""
+    decode: PoolConfig = PoolConfig(kv_blocks=2048)
+    """The decode pool; in colocated mode, the colocated workers."""
     threads_per_worker: int | None = None
     """torch threads per worker on CPU (keep workers x threads <= cores). None: this
     machine's cores shared evenly by the workers that serve at once (a colocated worker
@@ -64,29 +148,8 @@ class ClusterConfig(ModelSettings):
     threads than cores."""
     gpus_per_worker: float = 0.0
     """GPUs per worker on GPU pools; 0 runs on CPU."""
-    prefill_kv_blocks: int = 1024
-    """KV blocks per prefill worker (holds prompts until their KV is exported and acked)."""
-    decode_kv_blocks: int = 2048
-    """KV blocks per decode (or colocated) worker: its admission capacity."""
-    prefill_batch_tokens: int | None = None
-    """Step budget of prefill workers (tokens), and on CPUs also the cap of a colocated
-    worker's step. None: `max_batch_tokens` on GPUs; on CPUs `prefill_chunk_size` for a
-    prefill worker (its prefill is compute-bound from a few hundred tokens on, so a
-    bigger step only holds back every first token in it) and 1024 for a colocated one
-    (fewer mixed steps stall the running streams: at 16 streams it traded TTFT, which
-    vLLM leaves higher, for TPOT and throughput)."""
-    decode_batch_tokens: int | None = None
-    """Step budget of decode workers (tokens) in disaggregated mode. None:
-    `max_batch_tokens`, except on CPUs under `disaggregation: auto`, where it is 256 (and
-    the decode worker's prompt pieces no longer than that): a prompt the decode worker
-    prefills itself rides in its decode steps and delays every stream in them, and a
-    piece takes ~1.5 ms per token on one core. At 16 streams (1 + 1 workers on 2 cores,
-    bf16) `auto` served 0.94x vLLM with an ITL p99 of 490 ms at 256, 0.96x with 789 ms
-    at 512 (colocated: 792 ms); `always` served 0.72x."""
-    transport: TransportName = "auto"
-    """KV transport: `auto` (shm on one node, collective across nodes), shm, collective, grpc, local."""
-    transport_options: dict = field(default_factory=dict)
-    """Passed to the transport (chunk size, bandwidth cap, faults...)."""
+    transport: TransportConfig = TransportConfig()
+    """How KV moves from prefill to decode workers: the transport and its options."""
     router_policy: RouterPolicy = "least_loaded"
     """How the router picks workers: round_robin, least_loaded, power_of_two, or cache_aware
     (the worker already holding most of the prompt's prefix, within a load bound)."""
@@ -108,10 +171,6 @@ class ClusterConfig(ModelSettings):
     """A health probe slower than this marks the worker dead."""
     request_timeout_s: float = 600.0
     """A request running longer is aborted and answered with 504."""
-    transfer_timeout_s: float = 30.0
-    """Bound on one KV fetch (connect, every wait, the whole transfer)."""
-    lease_ttl_s: float = 30.0
-    """Exported blocks are reclaimed this long after the last heartbeat without an ack."""
     max_restarts: int = 3
     """Restarts of one worker in a crash loop (each generation dying within
     `restart_budget_reset_s` of its start) before it stays dead; 0 disables restarts."""
@@ -137,23 +196,22 @@ class ClusterConfig(ModelSettings):
     for the demo model, against 3-4 s for a new process on 2 cores). CPU pools only."""
     recovery_timeout_s: float = 30.0
     """How long a request waits for a live worker of a role before failing with 503."""
-    cluster_token: str | None = None
-    """Secret every worker-to-worker KV call carries; the cluster fills in a random one."""
 
     def __post_init__(self) -> None:
+        _check_sections(self)
         try:
             super().__post_init__()
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
         _check_literals(self)
-        if self.mode == "disaggregated" and self.prefill_workers < 1:
-            raise ConfigError("prefill_workers must be >= 1 in disaggregated mode")
-        if self.decode_workers < 1:
-            raise ConfigError("decode_workers must be >= 1")
+        self.prefill.check("prefill")
+        self.decode.check("decode")
+        if self.mode == "disaggregated" and self.prefill.workers < 1:
+            raise ConfigError("prefill.workers must be >= 1 in disaggregated mode")
+        if self.decode.workers < 1:
+            raise ConfigError("decode.workers must be >= 1")
         if self.threads_per_worker is not None and self.threads_per_worker < 1:
             raise ConfigError("threads_per_worker must be >= 1")
-        if self.decode_batch_tokens is not None and self.decode_batch_tokens < 1:
-            raise ConfigError("decode_batch_tokens must be >= 1")
         if self.gpus_per_worker < 0:
             raise ConfigError("gpus_per_worker must be >= 0")
         if self.prestarted_workers and self.gpus_per_worker:
@@ -174,8 +232,6 @@ class ClusterConfig(ModelSettings):
             "health_interval_s",
             "health_timeout_s",
             "request_timeout_s",
-            "transfer_timeout_s",
-            "lease_ttl_s",
             "recovery_timeout_s",
             "restart_budget_reset_s",
         ):
@@ -193,23 +249,21 @@ class ClusterConfig(ModelSettings):
         silently recompute on its decode worker: refuse it before anything starts."""
         from kv_transfer.registry import CROSS_PROCESS_TRANSPORTS
 
-        if self.mode == "disaggregated" and self.transport not in CROSS_PROCESS_TRANSPORTS:
+        name = self.transport.name
+        if self.mode == "disaggregated" and name not in CROSS_PROCESS_TRANSPORTS:
             raise ConfigError(
-                f"transport {self.transport!r} moves KV only within one process, and prefill "
+                f"transport {name!r} moves KV only within one process, and prefill "
                 f"and decode workers are separate processes; use one of "
                 f"{sorted(CROSS_PROCESS_TRANSPORTS)}"
             )
-        # Without a cluster_token here the cluster draws one before any worker starts
-        # (`PDCluster`): validate the options as the workers will get them, with one.
-        self.kv_transport_options(token=self.cluster_token or UNDRAWN_TOKEN)
 
     def check_pools(self, max_model_len: int) -> None:
         """Called by the cluster once the model's context is known: every pool must hold
         one sequence of `max_model_len` tokens, or some valid requests could never run."""
         needed = -(-max_model_len // self.block_size)
-        roles = {"decode_kv_blocks": "decode"}
+        roles = {"decode.kv_blocks": "decode"}
         if self.mode == "disaggregated":
-            roles["prefill_kv_blocks"] = "prefill"
+            roles["prefill.kv_blocks"] = "prefill"
         for name, role in roles.items():
             engine = self.engine_config(role)
             if engine.usable_kv_blocks < needed:
@@ -225,10 +279,14 @@ class ClusterConfig(ModelSettings):
     def device(self) -> str:
         return "cuda" if self.gpus_per_worker > 0 else "cpu"
 
+    def pool(self, role: Literal["prefill", "decode"]) -> PoolConfig:
+        """The section of `role` (colocated workers are the `decode` pool)."""
+        return self.prefill if role == "prefill" else self.decode
+
     def engine_config(self, role: Literal["prefill", "decode"]) -> EngineConfig:
         """The engine settings of one worker of `role` (colocated workers use `decode`)."""
         shared = {f.name: getattr(self, f.name) for f in fields(ModelSettings)}
-        blocks = self.prefill_kv_blocks if role == "prefill" else self.decode_kv_blocks
+        blocks = self.pool(role).kv_blocks
         if role == "prefill":
             shared["max_batch_tokens"] = self.prefill_step_tokens
         elif self.mode == "colocated" and self.device == "cpu":
@@ -249,8 +307,8 @@ class ClusterConfig(ModelSettings):
         that serve at once (spares wait idle, so they do not count)."""
         if self.threads_per_worker is not None:
             return self.threads_per_worker
-        serving = self.decode_workers + (
-            self.prefill_workers if self.mode == "disaggregated" else 0
+        serving = self.decode.workers + (
+            self.prefill.workers if self.mode == "disaggregated" else 0
         )
         return max(1, (os.cpu_count() or 1) // serving)
 
@@ -261,16 +319,22 @@ class ClusterConfig(ModelSettings):
         half-size steps stalls them more often, for the same prefill work. At 16 streams
         (bf16, 256 in / 64 out) a cap of 512 served 1.03x vLLM with TPOT 1.15x and TTFT
         0.58x; 1024 served 1.16x, TPOT 0.90x, TTFT 0.79x."""
-        if self.prefill_batch_tokens is not None:
-            return self.prefill_batch_tokens
+        if self.prefill.batch_tokens is not None:
+            return self.prefill.batch_tokens
         return COLOCATED_CPU_STEP_TOKENS
 
     @property
     def decode_step_tokens(self) -> int:
-        """The step cap of a decode worker (disaggregated mode): `decode_batch_tokens`, or
-        its default (see there)."""
-        if self.decode_batch_tokens is not None:
-            return self.decode_batch_tokens
+        """The step cap of a decode worker (disaggregated mode): `decode.batch_tokens`, or
+        by default `max_batch_tokens`, except on CPUs under `disaggregation: auto`, where
+        it is 256 (and the decode worker's prompt pieces no longer than that): a prompt
+        the decode worker prefills itself rides in its decode steps and delays every
+        stream in them, and a piece takes ~1.5 ms per token on one core. At 16 streams
+        (1 + 1 workers on 2 cores, bf16) `auto` served 0.94x vLLM with an ITL p99 of
+        490 ms at 256, 0.96x with 789 ms at 512 (colocated: 792 ms); `always` served
+        0.72x."""
+        if self.decode.batch_tokens is not None:
+            return self.decode.batch_tokens
         if self.device == "cpu" and self.disaggregation == "auto":
             return min(self.max_batch_tokens, DECODE_SIDE_PREFILL_CPU_STEP_TOKENS)
         return self.max_batch_tokens
@@ -283,38 +347,29 @@ class ClusterConfig(ModelSettings):
 
     @property
     def prefill_step_tokens(self) -> int:
-        if self.prefill_batch_tokens is not None:
-            return self.prefill_batch_tokens
+        """The step cap of a prefill worker: `prefill.batch_tokens`, or by default
+        `max_batch_tokens` on GPUs and `prefill_chunk_size` on CPUs (a CPU's prefill is
+        compute-bound from a few hundred tokens on, so a bigger step only holds back
+        every first token in it)."""
+        if self.prefill.batch_tokens is not None:
+            return self.prefill.batch_tokens
         return self.max_batch_tokens if self.device != "cpu" else self.prefill_chunk_size
 
-    def kv_transport_options(self, token: str | None = None):
+    def kv_transport_options(self, token: str | None = None) -> TransportOptions:
         """The validated `kv_transfer.TransportOptions` every prefill and decode worker
         gets (each worker fills in its own node's address where its servers bind every
         interface, see `WorkerSpec.transport_options_on`); `token` stands in for an
-        unset `cluster_token` (validation before the cluster draws one)."""
-        from kv_transfer.config import FaultOptions, TransportOptions
-
-        settings = {
-            "lease_ttl_s": self.lease_ttl_s,
-            "timeout_s": self.transfer_timeout_s,
-            "token": self.cluster_token or token or "",
-        }
-        settings.update(self.transport_options)
-        if isinstance(settings.get("faults"), dict):
-            settings["faults"] = FaultOptions(**settings["faults"])
-        try:
-            return TransportOptions(**settings)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"transport_options: {exc}") from exc
+        unset `transport.token` (validation before the cluster draws one)."""
+        return self.transport.options(token)
 
     def planned_workers(self) -> list[tuple[str, WorkerRole, bool]]:
         """(worker id, role, standby) of every worker the controller starts, prefill
         workers first; ids are `{role}-{index within role}`."""
         spares = self.standby_workers
         if self.mode == "colocated":
-            roles: list[tuple[WorkerRole, int]] = [("colocated", self.decode_workers)]
+            roles: list[tuple[WorkerRole, int]] = [("colocated", self.decode.workers)]
         else:
-            roles = [("prefill", self.prefill_workers), ("decode", self.decode_workers)]
+            roles = [("prefill", self.prefill.workers), ("decode", self.decode.workers)]
         return [
             (f"{role}-{i}", role, i >= active)
             for role, active in roles
@@ -331,22 +386,21 @@ class ClusterConfig(ModelSettings):
             role=role,
             cpu_cores=cpu_cores,
             engine=self.engine_config("prefill" if role == "prefill" else "decode"),
-            transport=self.transport,
+            transport=self.transport.name,
             transport_options=None if role == "colocated" else self.kv_transport_options(),
-            transfer_timeout_s=self.transfer_timeout_s,
             on_transfer_failure=self.on_transfer_failure,
         )
 
     def replace(self, **changes: Any) -> ClusterConfig:
-        return dataclasses.replace(self, **changes)
+        """A copy with `changes`; a section's change may be a mapping of some of its keys,
+        laid over the section as it is here (`replace(decode={"workers": 2})`)."""
+        return _laid_over(self, changes, "")
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ClusterConfig:
-        valid = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - valid)
-        if unknown:
-            raise ConfigError(f"unknown config keys {unknown}; valid keys: {sorted(valid)}")
-        return cls(**data)
+    def from_dict(cls, data: Mapping[str, Any]) -> ClusterConfig:
+        """A config from a YAML file's nesting: each section's keys are laid over that
+        section's defaults (`{"decode": {"workers": 2}}` keeps the decode pool's blocks)."""
+        return _laid_over(cls(), data, "")
 
     @classmethod
     def load(
@@ -358,9 +412,68 @@ class ClusterConfig(ModelSettings):
             loaded = yaml.safe_load(Path(path).read_text()) or {}
             if not isinstance(loaded, dict):
                 raise ConfigError(f"{path} must hold a mapping of config keys")
-            data.update(loaded)
-        data.update({k: v for k, v in (overrides or {}).items() if v is not None})
-        return cls.from_dict(data)
+            data = loaded
+        return cls.from_dict(_overlaid(data, overrides or {}))
+
+
+def _overlaid(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """`data` with `overrides` on top, section by section; overrides of None are ignored."""
+    merged = dict(data)
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            value = _overlaid(merged[key], value)
+        merged[key] = value
+    return merged
+
+
+def _laid_over(base, changes: Mapping[str, Any], where: str):
+    """`base` (a config or one of its sections) with `changes`, nested mappings laid over
+    the sections they name; unknown keys are an error listing the valid ones."""
+    cls = type(base)
+    valid = [f.name for f in fields(cls)]
+    unknown = sorted(set(changes) - set(valid))
+    if unknown:
+        raise ConfigError(_unknown_keys(where, unknown, valid))
+    values = {}
+    for name, value in changes.items():
+        if section_type(cls, name) is not None and isinstance(value, Mapping):
+            value = _laid_over(getattr(base, name), value, f"{where}{name}.")
+        values[name] = value
+    try:
+        return dataclasses.replace(base, **values)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where.rstrip('.') or 'config'}: {exc}") from exc
+
+
+def _unknown_keys(where: str, unknown: list[str], valid: list[str]) -> str:
+    place = f"keys in {where.rstrip('.')}" if where else "config keys"
+    message = f"unknown {place} {unknown}; valid keys: {sorted(valid)}"
+    moved = [
+        f"{key} is now {MOVED_KEYS[key]}" for key in unknown if not where and key in MOVED_KEYS
+    ]
+    return f"{message} ({'; '.join(moved)})" if moved else message
+
+
+def _check_sections(config: ClusterConfig) -> None:
+    """A section given as anything but its dataclass (a YAML mapping goes through
+    `from_dict`, which builds it) is refused before anything reads it."""
+    for f in fields(config):
+        section = section_type(type(config), f.name)
+        value = getattr(config, f.name)
+        if section is not None and not isinstance(value, section):
+            hint = (
+                f" (now {{name: {value}}})"
+                if f.name == "transport" and isinstance(value, str)
+                else ""
+            )
+            raise ConfigError(
+                f"{f.name} is a section: a mapping of its keys{hint}, got {value!r}; "
+                f"valid keys: {sorted(x.name for x in fields(section))}"
+            )
 
 
 def _check_literals(config: ClusterConfig) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from engine.kv_cache import KVLayout
+from cluster.recoveries import Recovery, RecoveryPath
 from worker.messages import ImportEvent, PrefillResult
 
 
@@ -39,9 +39,9 @@ class RequestTimeline:
     transfer_failure: str | None = None
     """`FailureReason` value when the KV import failed."""
     recomputed: bool = False
-    recoveries: list[str] = field(default_factory=list)
+    recoveries: list[Recovery] = field(default_factory=list)
     """What went wrong and was recovered from: prefill_died, decode_died, transfer_failed..."""
-    recovery_paths: list[str] = field(default_factory=list)
+    recovery_paths: list[RecoveryPath] = field(default_factory=list)
     """How each recovery got the KV back: repull, recompute, decode_side_prefill."""
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
@@ -60,10 +60,10 @@ class RequestTimeline:
     def on_prefill(self, sent: float, answered: float, result: PrefillResult) -> None:
         self.prefill_sent, self.prefill_answered, self.prefill = sent, answered, result
         self.prefill_worker = result.worker_id
-        self.cached_tokens = min(result.num_cached_tokens, self.num_prompt_tokens)
+        self.cached_tokens = min(result.first.num_cached_tokens, self.num_prompt_tokens)
         layout = getattr(result.ticket, "layout", None)
         if layout is not None:
-            self.kv_block_bytes = KVLayout(**layout).block_nbytes
+            self.kv_block_bytes = layout.block_nbytes
 
     def on_import(self, sent: float, received: float, event: ImportEvent) -> None:
         self.decode_sent, self.import_received, self.imported = sent, received, event
@@ -116,7 +116,7 @@ class RequestTimeline:
         reused = imported.reused_blocks if imported else 0
         return {
             "cached_tokens": self.cached_tokens or 0,
-            "prefill_cached_tokens": self.prefill.num_cached_tokens if self.prefill else 0,
+            "prefill_cached_tokens": self.prefill.first.num_cached_tokens if self.prefill else 0,
             "decode_reused_blocks": reused,
             "kv_blocks_moved": imported.moved_blocks if imported else 0,
             "kv_bytes_saved": reused * self.kv_block_bytes,

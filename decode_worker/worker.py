@@ -31,7 +31,6 @@ from engine import clock
 from engine.engine_loop import EngineLoop
 from engine.errors import RequestAbortedError
 from engine.llm_engine import LLMEngine
-from engine.sequence import SequenceOutput
 from worker.actor import EngineActor
 from worker.health import (
     StartupTimer,
@@ -139,7 +138,7 @@ class DecodeWorker(EngineActor):
                 if output is None:  # aborted by the request's owner
                     return
                 finished = output.finished
-                yield _token_event(output)
+                yield output
         except Exception as exc:  # the request failed, not the worker: say so in the stream
             if not isinstance(exc, RequestAbortedError):
                 logger.warning("[request %s] decode failed: %r", request_id, exc)
@@ -230,9 +229,8 @@ class DecodeWorker(EngineActor):
 
     def _fetch(self, ticket, block_ids: list[int], held: int, admission_s: float) -> None:
         """On a fetch thread: move the bytes, then settle the import on the engine thread."""
-        result = self.receiver.fetch(
-            ticket, block_ids, self.spec.transfer_timeout_s, held_blocks=held
-        )
+        timeout_s = self.spec.transport_options.timeout_s
+        result = self.receiver.fetch(ticket, block_ids, timeout_s, held_blocks=held)
         self.loop.post(lambda e: self._finish_import(e, ticket, result, admission_s, held))
 
     def _finish_import(
@@ -292,19 +290,6 @@ class DecodeWorker(EngineActor):
         self.fetch_pool.shutdown(wait=False, cancel_futures=True)
         if self.receiver is not None:
             self.receiver.close()
-
-
-def _token_event(output: SequenceOutput) -> TokenEvent:
-    return TokenEvent(
-        output.new_token_ids,
-        output.new_text,
-        output.finished,
-        output.finish_reason,
-        output.num_output_tokens,
-        output.num_cached_tokens,
-        logprobs=output.logprobs,
-        prompt_logprobs=output.prompt_logprobs,
-    )
 
 
 def _nothing_to_move(ticket, receiver):

@@ -570,8 +570,8 @@ class LLMEngine:
             self.scheduler.leave_batch(seq)
         return SequenceOutput(
             request_id=seq.request_id,
-            new_token_ids=[token_id],
-            new_text=self._emit_text(seq),
+            token_ids=[token_id],
+            text=self._emit_text(seq),
             finished=reason is not None,
             finish_reason=reason,
             num_prompt_tokens=seq.num_prompt_tokens,

@@ -120,22 +120,35 @@ class Sequence:
         return self.status == SequenceStatus.FINISHED
 
 
-@dataclass
-class SequenceOutput:
-    """What one step produced for one request; the caller streams it on."""
+@dataclass(frozen=True)
+class TokenDelta:
+    """The tokens one engine step added to one request's output: the one token record.
+    The engine makes it once (as a `SequenceOutput`); the decode worker streams it as it
+    is (its `TokenEvent`), the prefill worker answers with it (`PrefillResult.first`),
+    and the cluster hands it to its callers inside a `GenerationChunk`. Nothing copies
+    it field by field."""
 
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
+    token_ids: list[int]
+    text: str
+    """Their text, as safe to stream (a possible stop-string prefix held back)."""
     finished: bool
     finish_reason: str | None
-    num_prompt_tokens: int
     num_output_tokens: int
-    prefilled: bool = False
-    """True when a `stop_after_prefill` sequence is ready for KV export."""
+    """Output tokens of the request so far, these included."""
     num_cached_tokens: int = 0
     """`Sequence.num_cached_tokens`: KV this engine's prefix cache held at admission."""
     logprobs: list[TokenLogprobs] | None = None
-    """Logprobs of `new_token_ids`, when the request asked for them."""
+    """Logprobs of `token_ids`, when the request asked for them."""
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     """With the first token of a request that asked (`echo`): one entry per prompt token."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SequenceOutput(TokenDelta):
+    """What one step produced for one request: its token record, and whose it is. The
+    caller streams it on as the record it is."""
+
+    request_id: str
+    num_prompt_tokens: int
+    prefilled: bool = False
+    """True when a `stop_after_prefill` sequence is ready for KV export."""

@@ -5,8 +5,8 @@ Lifecycle of one request's KV, prefill side (sender) to decode side (receiver):
     prefill worker                                decode worker
     --------------                                -------------
     engine finishes the prompt, takes the blocks
-    ticket = sender.export(request_id, ...)  ---> ticket (plain JSON-able dataclass,
-      blocks pinned under a lease                  travels in the Ray call / RPC)
+    ticket = sender.export(request_id, ...)  ---> ticket (a dataclass, pickled by Ray
+      blocks pinned under a lease                  in the call; `to_dict` is its JSON)
                                                   dst = engine.reserve_imports(...), less
                                                     the blocks its prefix cache holds
                                                   result = receiver.fetch(ticket, dst, held)
@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from engine.kv_cache import KVCachePool, KVLayout
+from kv_transfer.endpoints import SenderEndpoint
 
 if TYPE_CHECKING:
     from kv_transfer.stats import ReceiverStats, SenderStats
@@ -59,21 +60,23 @@ class FailureReason(str, enum.Enum):
 
 @dataclass(frozen=True)
 class ExportTicket:
-    """What a receiver needs to pull one request's blocks. JSON-able, never pickled on a wire."""
+    """What a receiver needs to pull one request's blocks. Travels inside Ray calls
+    (pickled by Ray, never on a wire of ours); `to_dict` / `from_dict` give its JSON."""
 
     request_id: str
     sender_id: str
-    sender_endpoint: dict
-    """Transport-specific address info from `KVSender.endpoint()`."""
-    layout: dict
-    """`asdict(KVLayout)` of the sender's pool; the receiver refuses a mismatch."""
+    sender_endpoint: SenderEndpoint
+    """How to reach the sender, from `KVSender.endpoint()`."""
+    layout: KVLayout
+    """The sender's pool layout; the receiver refuses a mismatch."""
     block_ids: list[int]
     """Sender-side block ids, in sequence order."""
     num_tokens: int
     """Tokens of KV the blocks hold (the prompt length)."""
+    lease_ttl_s: float
+    """The sender's `TransportOptions.lease_ttl_s`: a receiver heartbeats within it."""
     checksums: list[int] = field(default_factory=list)
     """One per block, computed at export; verified by the receiver."""
-    lease_ttl_s: float = 30.0
     checksum_algo: str = "crc32"
     """How `checksums` were computed (see kv_transfer/integrity.py)."""
 
@@ -93,7 +96,13 @@ class ExportTicket:
 
     @classmethod
     def from_dict(cls, data: dict) -> ExportTicket:
-        return cls(**data)
+        return cls(
+            **{
+                **data,
+                "sender_endpoint": SenderEndpoint.from_dict(data["sender_endpoint"]),
+                "layout": KVLayout(**data["layout"]),
+            }
+        )
 
 
 @dataclass
@@ -149,8 +158,8 @@ class KVSender(ABC):
         self.pool = pool
 
     @abstractmethod
-    def endpoint(self) -> dict:
-        """Address info a receiver uses to reach us; put into every ticket."""
+    def endpoint(self) -> SenderEndpoint:
+        """How a receiver reaches us; put into every ticket."""
 
     @abstractmethod
     def export(
@@ -239,9 +248,9 @@ class KVReceiver(ABC):
 
 def check_layout(ticket: ExportTicket, local: KVLayout, peer: str) -> None:
     """Receivers call this first: refuse blocks of another model, dtype or shape."""
-    if ticket.layout != local.as_dict():
+    if ticket.layout != local:
         raise KVTransferError(
-            f"layout {ticket.layout} does not match local {local.as_dict()}",
+            f"layout {ticket.layout} does not match local {local}",
             ticket.request_id,
             peer,
             FailureReason.LAYOUT_MISMATCH,

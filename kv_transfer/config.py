@@ -67,7 +67,8 @@ class TransportOptions:
     """Cluster token every control/gRPC call must carry, checked before the server reads
     more than a small first message; empty disables the check (loopback only)."""
     timeout_s: float = 30.0
-    """Default bound on every wait (connect, rendezvous, one chunk)."""
+    """Bound on every wait (connect, rendezvous, one chunk), and a decode worker's bound
+    on one whole fetch."""
     max_message_bytes: int = 64 << 20
     """gRPC max send/receive message size, set on both ends; must exceed `chunk_bytes`."""
     checksum: ChecksumAlgo = "xxh3_64"

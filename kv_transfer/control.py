@@ -14,7 +14,8 @@ server reads the 4-byte header of a longer one and closes). A first message that
 not a JSON object closes the connection; a wrong token is answered `unauthorized`,
 then closed. Authenticated connections may idle between requests (a collective pair
 waits for its next fetch), but a message whose header arrived must finish within
-`BODY_TIMEOUT_S`. Nothing is pickled: messages are JSON objects.
+`BODY_TIMEOUT_S`. Nothing is pickled: messages are JSON objects, which the transports
+build and read as the dataclasses of kv_transfer/control_messages.py.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ import threading
 import time
 from collections.abc import Callable
 
+from kv_transfer.base import FailureReason
 from kv_transfer.config import TransportOptions
+from kv_transfer.control_messages import Heartbeat, Reply
 from kv_transfer.listeners import bind_listener
 from kv_transfer.tls import client_context, server_context, server_name
 
@@ -158,7 +161,7 @@ class ControlServer:
             conn = self._secure(raw, deadline)
             first = recv_message(conn, FIRST_MESSAGE_BYTES, deadline)
             if not token_matches(first.get("token", ""), self.token):
-                send_message(conn, {"ok": False, "reason": "unauthorized"})
+                send_message(conn, Reply(False, FailureReason.UNAUTHORIZED).to_json())
                 return
             conn.settimeout(None)  # authenticated: may idle between requests
             self.handler(conn, first)
@@ -255,7 +258,7 @@ def responsive(host: str, port: int, options: TransportOptions, timeout_s: float
     except OSError:  # ssl.SSLError included
         return False
     try:
-        conn.call({"op": "heartbeat", "request_id": ""}, timeout_s)
+        conn.call(Heartbeat("").to_json(), timeout_s)
         return True
     except (ChannelClosed, OSError):
         return False

@@ -19,6 +19,7 @@ from engine.kv_cache import KVCachePool
 from kv_transfer.base import ExportTicket, KVSender
 from kv_transfer.config import TransportOptions
 from kv_transfer.device_checksum import checksum_algo_for
+from kv_transfer.endpoints import SenderEndpoint, ServerEndpoint
 from kv_transfer.integrity import block_checksums
 from kv_transfer.node import node_id
 from kv_transfer.ownership import ExportRegistry
@@ -30,7 +31,7 @@ logger = logging.getLogger(__name__)
 class TransportServer(Protocol):
     """The serving half of one transport inside a sender."""
 
-    def endpoint(self) -> dict: ...
+    def endpoint(self) -> ServerEndpoint: ...
 
     def close(self) -> None: ...
 
@@ -55,11 +56,9 @@ class RegistrySender(KVSender):
         self.registry = ExportRegistry(worker_id, options.lease_ttl_s)
         self.servers = [make(self) for make in server_factories]
 
-    def endpoint(self) -> dict:
-        info = {"transport": self.name, "worker": self.worker_id, "node": self.node}
-        for server in self.servers:
-            info.update(server.endpoint())
-        return info
+    def endpoint(self) -> SenderEndpoint:
+        entries = [server.endpoint() for server in self.servers]
+        return SenderEndpoint.serving(self.name, self.worker_id, self.node, entries)
 
     @property
     def node(self) -> str:
@@ -77,11 +76,11 @@ class RegistrySender(KVSender):
             request_id=request_id,
             sender_id=self.worker_id,
             sender_endpoint=self.endpoint(),
-            layout=self.pool.layout.as_dict(),
+            layout=self.pool.layout,
             block_ids=list(block_ids),
             num_tokens=num_tokens,
-            checksums=checksums,
             lease_ttl_s=self.options.lease_ttl_s,
+            checksums=checksums,
             checksum_algo=algo,
         )
 

@@ -25,6 +25,7 @@ from engine.engine_loop import EngineLoop
 from engine.errors import RequestAbortedError
 from engine.llm_engine import LLMEngine
 from engine.sequence import SequenceOutput
+from kv_transfer.endpoints import SenderEndpoint
 from worker.actor import EngineActor
 from worker.health import (
     StartupTimer,
@@ -148,18 +149,12 @@ class PrefillWorker(EngineActor):
         return PrefillResult(
             request_id=request_id,
             worker_id=self.worker_id,
-            first_token_id=output.new_token_ids[0],
-            first_text=output.new_text,
-            finished=output.finished,
-            finish_reason=output.finish_reason,
+            first=output,
             num_prompt_tokens=output.num_prompt_tokens,
             ticket=ticket,
             queue_s=scheduled - arrived,
             prefill_s=first_token - scheduled,
             export_s=exported - first_token if exported is not None else 0.0,
-            num_cached_tokens=seq.num_cached_tokens,
-            first_logprobs=output.logprobs[0] if output.logprobs else None,
-            prompt_logprobs=output.prompt_logprobs,
         )
 
     def _exporter(self, peer_id: str):
@@ -204,7 +199,7 @@ class PrefillWorker(EngineActor):
             "exports_at_risk": self.sender.at_risk_request_ids(),
         }
 
-    async def endpoint(self) -> dict:
+    async def endpoint(self) -> SenderEndpoint:
         return self.sender.endpoint()
 
     async def shutdown(self) -> None:

@@ -17,24 +17,25 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 def tiny_cluster_config(model_dir, **overrides) -> ClusterConfig:
+    """A small cluster of the tiny model; `overrides` as `ClusterConfig.replace` takes
+    them (a section's as a mapping of its keys: `decode={"workers": 2}`)."""
     settings = dict(
         model=str(model_dir),
         dtype="float32",
         block_size=8,
-        prefill_kv_blocks=256,
-        decode_kv_blocks=256,
+        prefill={"kv_blocks": 256},
+        decode={"kv_blocks": 256},
         prefill_chunk_size=16,
         max_batch_tokens=64,
         threads_per_worker=1,
         health_interval_s=0.5,
-        transfer_timeout_s=20.0,
+        transport={"timeout_s": 20.0},
         # These tests time nothing and wait on many small steps: with the driver sharing
         # the decode worker's core, test_cluster.py took 179 s instead of 124 on 2 cores.
         # Pinning has its own test.
         pin_cores=False,
     )
-    settings.update(overrides)
-    return ClusterConfig(**settings)
+    return ClusterConfig.from_dict(settings).replace(**overrides)
 
 
 def mixed_prompts(count: int = 16) -> list[list[int]]:

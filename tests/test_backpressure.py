@@ -36,7 +36,7 @@ def finish(engine, steps: int = 500) -> dict[str, list[int]]:
         if not engine.has_unfinished():
             return tokens
         for out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
     raise AssertionError("engine did not go idle")
 
 
@@ -56,7 +56,7 @@ def test_a_held_sequence_makes_no_tokens_keeps_its_kv_and_resumes_exactly(tiny_l
     tokens: dict[str, list[int]] = {}
     for _ in range(3):  # both prefilled and decoding
         for out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
 
     # 1. its reader fell behind: out of every batch from the next step on
     engine.hold("slow", True)
@@ -64,7 +64,7 @@ def test_a_held_sequence_makes_no_tokens_keeps_its_kv_and_resumes_exactly(tiny_l
     held_tokens, held_blocks = len(slow.output_token_ids), list(slow.block_ids)
     for _ in range(5):
         for out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
     assert slow.status == SequenceStatus.HELD
     assert len(slow.output_token_ids) == held_tokens
     assert slow.block_ids == held_blocks, "a held sequence keeps its KV"
@@ -87,7 +87,7 @@ def test_a_held_sequence_gives_its_blocks_to_others_and_is_recomputed(tiny_llama
     tokens = {"slow": []}
     for _ in range(2):
         for out in engine.step():
-            tokens["slow"].extend(out.new_token_ids)
+            tokens["slow"].extend(out.token_ids)
     engine.hold("slow", True)
     engine.add_request("next", prompts["next"], GREEDY)
 
@@ -180,7 +180,7 @@ def test_a_stream_nobody_reads_is_held_on_its_decode_worker_and_ends_whole(tiny_
     ends with every token transformers makes."""
     prompt = [(5 * i) % 300 + 3 for i in range(20)]
     params = SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)
-    config = tiny_cluster_config(tiny_llama_dir, transport="shm", max_model_len=512)
+    config = tiny_cluster_config(tiny_llama_dir, transport={"name": "shm"}, max_model_len=512)
 
     async def held_state(cluster, request_id: str) -> tuple[str, int] | None:
         for state in (await cluster.controller.debug_states()).values():

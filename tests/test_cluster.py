@@ -53,7 +53,7 @@ def test_16_concurrent_greedy_requests_match_transformers(
     tiny_llama_dir, reference, mode, transport
 ):
     prompts, expected = reference
-    config = tiny_cluster_config(tiny_llama_dir, mode=mode, transport=transport)
+    config = tiny_cluster_config(tiny_llama_dir, mode=mode, transport={"name": transport})
 
     async def scenario(cluster):
         outputs = await generate_all(cluster, prompts)
@@ -72,7 +72,7 @@ def test_a_bf16_kv_pool_crosses_each_transport_unchanged(tiny_llama_dir, mode, t
     one engine over the same kind of pool makes, token for token."""
     prompts = mixed_prompts(6)
     config = tiny_cluster_config(
-        tiny_llama_dir, mode=mode, transport=transport, kv_cache_dtype="bfloat16"
+        tiny_llama_dir, mode=mode, transport={"name": transport}, kv_cache_dtype="bfloat16"
     )
     engine = make_engine(
         tiny_llama_dir, kv_cache_dtype="bfloat16", prefill_chunk_size=16, max_batch_tokens=64
@@ -91,7 +91,7 @@ def test_more_requests_than_the_decode_pool_holds_all_complete(tiny_llama_dir, r
     prompts, expected = reference
     # 10 blocks of 8 tokens: room for two or three sequences at a time, 16 arrive at once.
     config = tiny_cluster_config(
-        tiny_llama_dir, transport="shm", decode_kv_blocks=10, max_model_len=80
+        tiny_llama_dir, transport={"name": "shm"}, decode={"kv_blocks": 10}, max_model_len=80
     )
 
     async def scenario(cluster):
@@ -104,7 +104,7 @@ def test_more_requests_than_the_decode_pool_holds_all_complete(tiny_llama_dir, r
 
 def test_workers_use_the_configured_thread_count_and_report_timings(tiny_llama_dir, reference):
     prompts, _ = reference
-    config = tiny_cluster_config(tiny_llama_dir, transport="shm", threads_per_worker=1)
+    config = tiny_cluster_config(tiny_llama_dir, transport={"name": "shm"}, threads_per_worker=1)
 
     async def scenario(cluster):
         loads = [await w.handle.check_health.remote() for w in cluster.controller.workers.values()]
@@ -152,7 +152,7 @@ def test_each_worker_runs_on_its_own_cores_and_the_driver_gets_its_back(tiny_lla
     driver's cores come back at shutdown, and outputs are unchanged."""
     prompts, expected = reference
     cores = process_cores()
-    config = tiny_cluster_config(tiny_llama_dir, transport="shm", pin_cores=True)
+    config = tiny_cluster_config(tiny_llama_dir, transport={"name": "shm"}, pin_cores=True)
 
     async def scenario(cluster):
         workers = cluster.controller.workers
@@ -186,7 +186,7 @@ def test_a_burst_spreads_over_both_decode_workers(tiny_llama_dir, reference, pol
     request from the moment it is picked (with the prefill), not when decode starts."""
     prompts, expected = reference
     config = tiny_cluster_config(
-        tiny_llama_dir, transport="shm", decode_workers=2, router_policy=policy
+        tiny_llama_dir, transport={"name": "shm"}, decode={"workers": 2}, router_policy=policy
     )
 
     async def scenario(cluster):
@@ -212,7 +212,9 @@ def test_timing_receipt_adds_up_when_a_worker_clock_is_off(
     inside the spans it measured itself, so the parts still tile its TTFT."""
     prompts, _ = reference
     monkeypatch.setenv("PDSERVE_CLOCK_SKEW_S", str(skew_s))  # inherited by the Ray workers
-    config = tiny_cluster_config(tiny_llama_dir, transport="shm", first_token_from="decode")
+    config = tiny_cluster_config(
+        tiny_llama_dir, transport={"name": "shm"}, first_token_from="decode"
+    )
 
     async def scenario(cluster):
         from tests.cluster_helpers import collect

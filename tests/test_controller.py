@@ -33,7 +33,7 @@ class FakeHandle:
 
 
 def controller_with(*workers: WorkerInfo, **config) -> Controller:
-    controller = Controller(ClusterConfig(max_restarts=3, **config))
+    controller = Controller(ClusterConfig.from_dict({"max_restarts": 3, **config}))
     for worker in workers:
         worker.handle = FakeHandle(worker.worker_id)
         controller.workers[worker.worker_id] = worker
@@ -77,7 +77,7 @@ def test_a_standby_takes_a_dead_workers_place_at_once():
     async def main():
         active = WorkerInfo("decode-0", "decode", handle=None)
         spare = WorkerInfo("decode-1", "decode", handle=None, standby=True)
-        controller = controller_with(active, spare, decode_workers=1, standby_workers=1)
+        controller = controller_with(active, spare, decode={"workers": 1}, standby_workers=1)
         router = Router("least_loaded", controller.workers)
         assert router.pick("decode").worker is active
         controller.mark_dead(active, "killed", generation=active.generation)
@@ -130,7 +130,7 @@ def test_a_restart_takes_a_prestarted_process_and_replaces_it_later():
     async def main():
         worker = WorkerInfo("decode-0", "decode", handle=None, generation=1)
         controller = controller_with(
-            worker, decode_workers=1, prestarted_workers=1, standby_restart_delay_s=0.05
+            worker, decode={"workers": 1}, prestarted_workers=1, standby_restart_delay_s=0.05
         )
         started: list[FakeProcess] = []
 
@@ -164,7 +164,10 @@ def test_each_worker_gets_its_own_cores_prefill_first():
     assert plan.workers == {"prefill-0": (0,), "decode-0": (1,)}
     assert plan.others == (1,)  # no core is left over: the decode worker's
     wide = plan_cores(
-        ClusterConfig(prefill_workers=2, decode_workers=1, threads_per_worker=2), tuple(range(8))
+        ClusterConfig.from_dict(
+            {"prefill": {"workers": 2}, "decode": {"workers": 1}, "threads_per_worker": 2}
+        ),
+        tuple(range(8)),
     )
     assert wide.workers == {"prefill-0": (0, 1), "prefill-1": (2, 3), "decode-0": (4, 5)}
     assert wide.others == (6, 7)
@@ -178,9 +181,10 @@ def test_each_worker_gets_its_own_cores_prefill_first():
         dict(gpus_per_worker=1.0),
         dict(address="ray://head:10001"),
         dict(standby_workers=1),
-        dict(prefill_workers=2, decode_workers=2, threads_per_worker=1),  # 4 threads, 2 cores
+        # 4 threads, 2 cores
+        dict(prefill={"workers": 2}, decode={"workers": 2}, threads_per_worker=1),
     ],
     ids=["off", "colocated", "gpu", "joined", "spares", "more-threads-than-cores"],
 )
 def test_no_core_plan_where_it_cannot_hold(settings):
-    assert plan_cores(ClusterConfig(**settings), (0, 1)) is None
+    assert plan_cores(ClusterConfig.from_dict(settings), (0, 1)) is None

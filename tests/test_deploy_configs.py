@@ -62,7 +62,7 @@ def test_each_shipped_config_loads(name, tmp_path):
     path = tmp_path / "pdserve.yaml"
     path.write_text(shipped_configs()[name])
     config = ClusterConfig.load(str(path), {})
-    assert config.prefill_workers >= 1 and config.decode_workers >= 1
+    assert config.prefill.workers >= 1 and config.decode.workers >= 1
 
 
 def test_every_serve_command_line_in_the_manifests_parses():

@@ -4,8 +4,9 @@ not a reader's copy-paste.
 Every `pdserve ...` command line in README.md and docs/*.md (fenced blocks and inline
 code, with backslash continuations joined) is resolved through the real argument
 parser to its subcommand, and each `--flag` on it must be one that subcommand takes.
-Every key in the config table of docs/operations.md must be a `ClusterConfig` field,
-and every field must be in the table. Every source file the docs point at
+Every key in the config table of docs/operations.md must be a `ClusterConfig` field
+(a section's key written with a dot: `prefill.workers`, `transport.faults.mode`), and
+every field must be in the table. Every source file the docs point at
 (`cluster/api/frontend.py`) must exist, so a moved module leaves no old path behind.
 """
 
@@ -17,9 +18,11 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
+import yaml
 
 from cluster.cli.main import build_parser
 from cluster.config import ClusterConfig
+from cluster.config_flags import section_type
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -95,19 +98,42 @@ def test_every_documented_flag_exists(doc, command):
     assert not unserved, f"{doc}: `pdserve serve` has no {unserved} ({command})"
 
 
+def config_keys(cls=ClusterConfig, prefix: str = "") -> list[str]:
+    """Every leaf key of the config, a section's with its dotted path."""
+    keys = []
+    for f in fields(cls):
+        section = section_type(cls, f.name)
+        if section is None:
+            keys.append(prefix + f.name)
+        else:
+            keys += config_keys(section, f"{prefix}{f.name}.")
+    return keys
+
+
+def yaml_keys(data: dict, prefix: str = "") -> list[str]:
+    """The dotted paths of a YAML example's keys, down to its leaves."""
+    keys = []
+    for key, value in data.items():
+        if isinstance(value, dict):
+            keys += yaml_keys(value, f"{prefix}{key}.")
+        else:
+            keys.append(f"{prefix}{key}")
+    return keys
+
+
 def test_the_config_table_lists_exactly_the_config_keys():
     text = (ROOT / "docs" / "operations.md").read_text()
     table = text[text.index("| key | default | flag | meaning |") :]
     table = table[: table.index("\n\n")]
-    keys = re.findall(r"^\| `([a-z_]+)` \|", table, flags=re.M)
-    assert sorted(keys) == sorted(f.name for f in fields(ClusterConfig))
+    keys = re.findall(r"^\| `([a-z_.]+)` \|", table, flags=re.M)
+    assert sorted(keys) == sorted(config_keys())
 
 
 def test_config_keys_named_in_yaml_examples_exist():
     text = (ROOT / "docs" / "operations.md").read_text()
-    valid = {f.name for f in fields(ClusterConfig)}
+    valid = set(config_keys())
     for block in re.findall(r"```yaml\n(.*?)```", text, flags=re.S):
-        for key in re.findall(r"^([a-z_]+):", block, flags=re.M):
+        for key in yaml_keys(yaml.safe_load(block) or {}):
             assert key in valid, f"docs/operations.md yaml example uses unknown key {key!r}"
 
 

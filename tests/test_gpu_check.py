@@ -15,6 +15,7 @@ from bench.gpu_check import MODES, Check, bench_serve_args
 from bench.gpu_timing import decode_step_s, prefill_step_s
 from bench.stand_in_model import write_stand_in_model
 from cluster.cli.main import build_parser
+from cluster.cli.serve import config_from_args
 from tests.factories import assert_no_leaks, make_engine
 
 
@@ -22,11 +23,13 @@ from tests.factories import assert_no_leaks, make_engine
 def test_the_served_modes_are_valid_serve_flags(mode):
     args = build_parser().parse_args(["serve", "--model", "/models/m", *MODES[mode]])
     assert args.command == "serve"
+    config = config_from_args(args)
     if mode == "disaggregated":
-        assert (args.prefill_workers, args.decode_workers, args.gpus_per_worker) == (1, 1, 0.5)
-        assert args.transport == "grpc"  # NCCL cannot pair two processes on one GPU
+        assert (config.prefill.workers, config.decode.workers) == (1, 1)
+        assert config.gpus_per_worker == 0.5
+        assert config.transport.name == "grpc"  # NCCL cannot pair two processes on one GPU
     else:
-        assert (args.mode, args.gpus_per_worker) == ("colocated", 1.0)
+        assert (config.mode, config.gpus_per_worker) == ("colocated", 1.0)
 
 
 def test_the_serving_bench_runs_c1_and_c16(tmp_path):

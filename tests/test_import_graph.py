@@ -30,7 +30,7 @@ LAYERS = {
     "worker": 3,
     "prefill_worker": 4,
     "decode_worker": 4,
-    "cluster": 5,  # its root modules: config, config_flags, timeline, package_version
+    "cluster": 5,  # its root modules: config, config_flags, timeline, recoveries, package_version
     "cluster.control": 6,
     "cluster.flow": 6,
     "cluster.api": 7,

@@ -235,7 +235,7 @@ def servicer_calls(monkeypatch):
 
 
 def grpc_fetch(sender, request: pb.FetchRequest, token: str):
-    address = sender.endpoint()["grpc"]["address"]
+    address = sender.endpoint().grpc.address
     options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
     with grpc.insecure_channel(address, options=options) as channel:
         fetch = channel.unary_stream(
@@ -279,7 +279,7 @@ def test_grpc_calls_past_the_bound_are_refused(monkeypatch):
 
     monkeypatch.setattr(grpc_transport._Servicer, "Heartbeat", held_heartbeat)
     sender = make_sender("grpc", "prefill-0", random_pool(), replace(OPTIONS, max_connections=2))
-    address = sender.endpoint()["grpc"]["address"]
+    address = sender.endpoint().grpc.address
     metadata = [(grpc_transport.TOKEN_KEY, TOKEN)]
     with grpc.insecure_channel(address) as channel, ThreadPoolExecutor(2) as pool:
         beat = channel.unary_unary(
@@ -452,10 +452,10 @@ def test_loopback_binds_may_go_without_a_token(host):
 
 
 def test_the_cluster_config_binds_off_loopback_only_with_the_token_it_draws():
-    config = ClusterConfig(transport_options={"bind_host": "0.0.0.0"})  # validates
+    config = ClusterConfig.from_dict({"transport": {"bind_host": "0.0.0.0"}})  # validates
     with pytest.raises(ConfigError, match=re.escape("bind_host '0.0.0.0'")):
         config.kv_transport_options()  # no worker may get these without a token
-    drawn = config.replace(cluster_token="drawn").kv_transport_options()
+    drawn = config.replace(transport={"token": "drawn"}).kv_transport_options()
     assert (drawn.bind_host, drawn.token) == ("0.0.0.0", "drawn")
 
 
@@ -484,7 +484,7 @@ def listening_addresses(port: int) -> set[str]:
 def test_the_collective_store_listens_on_bind_host_only():
     sender = make_sender("collective", "prefill-0", random_pool(), OPTIONS)
     try:
-        _, store_port = sender.endpoint()["collective"]["store"]
+        _, store_port = sender.endpoint().collective.store
         assert listening_addresses(store_port) == {"127.0.0.1"}
     finally:
         sender.close()

@@ -395,12 +395,14 @@ def test_shm_maps_one_pool_file_per_sender_and_drops_a_restarted_senders_old_one
         assert receiver.fetch(ticket, [4, 5, 6], timeout_s=5).ok
         old_mapping = weakref.ref(receiver._maps["prefill-0"][1])
         # The restarted worker: same id, its pool in a file of its own.
-        path = ticket.sender_endpoint["shm"]["path"]
+        path = ticket.sender_endpoint.shm.path
         restarted = str(tmp_path / "pdserve-kv-prefill_0-restarted.kv")
         with open(path, "rb") as src, open(restarted, "wb") as dst:
             dst.write(src.read())
-        endpoint = {"shm": {**ticket.sender_endpoint["shm"], "path": restarted}}
-        again = replace(ticket, sender_endpoint=endpoint)
+        endpoint = ticket.sender_endpoint
+        again = replace(
+            ticket, sender_endpoint=replace(endpoint, shm=replace(endpoint.shm, path=restarted))
+        )
         receiver._mapped(again)
         gc.collect()
         assert list(receiver._maps) == ["prefill-0"]

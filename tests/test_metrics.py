@@ -111,7 +111,7 @@ def test_gpu_series_absent_without_nvml_and_present_with_a_report():
     )
     controller = SimpleNamespace(
         workers={"decode-0": worker},
-        config=SimpleNamespace(transport="auto"),
+        config=SimpleNamespace(transport=SimpleNamespace(name="auto")),
         prestarted=SimpleNamespace(counts=lambda: {"decode": 1}),
         worker_pids=lambda: {1},
     )

@@ -62,7 +62,9 @@ def test_each_actor_lands_on_its_pool_node_and_generation_crosses_nodes(
     prompts = mixed_prompts(4)
     expected = reference_outputs(tiny_llama_dir, prompts)
     # `auto` must pick a cross-node transport here: the nodes are distinct Ray nodes.
-    config = tiny_cluster_config(tiny_llama_dir, address=nodes.address, transport="collective")
+    config = tiny_cluster_config(
+        tiny_llama_dir, address=nodes.address, transport={"name": "collective"}
+    )
 
     async def scenario():
         cluster = await PDCluster(config).start()

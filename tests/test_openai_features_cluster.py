@@ -75,7 +75,7 @@ def test_seeded_sampled_stream_with_penalties_and_grammar_survives_decode_migrat
 ):
     monkeypatch.setenv("PDSERVE_STEP_DELAY_S", "0.03")  # inherited by the Ray workers
     prompt = [(3 * i) % 290 + 7 for i in range(26)]
-    config = tiny_cluster_config(tiny_llama_dir, decode_workers=2, recovery_timeout_s=60.0)
+    config = tiny_cluster_config(tiny_llama_dir, decode={"workers": 2}, recovery_timeout_s=60.0)
 
     async def main():
         async with PDCluster(config) as cluster:

@@ -37,8 +37,8 @@ def ray_session():
 def test_prefix_reuse_end_to_end(tiny_llama_dir):
     config = tiny_cluster_config(
         tiny_llama_dir,
-        transport="shm",
-        decode_workers=2,
+        transport={"name": "shm"},
+        decode={"workers": 2},
         router_policy="cache_aware",
         block_size=BLOCK,
     )

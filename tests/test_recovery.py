@@ -155,9 +155,9 @@ def test_kills_that_hit_lose_nothing(tiny_llama_dir, steady_expected, transport,
     # would prefill from cache in an instant and the prefill kill would find no work.
     config = tiny_cluster_config(
         tiny_llama_dir,
-        transport=transport,
-        prefill_workers=2,
-        decode_workers=2,
+        transport={"name": transport},
+        prefill={"workers": 2},
+        decode={"workers": 2},
         prefix_caching=False,
         prestarted_workers=1 if transport == "shm" else 0,
     )
@@ -221,7 +221,7 @@ def test_a_dead_decode_workers_streams_are_reexported_by_a_prefill_worker(
     # The tiny model computes a stream's KV in microseconds, so the policy would rightly
     # have the survivor do it; this test is about the path, so the policy says remote.
     monkeypatch.setattr(Disaggregation, "choose", lambda *args, **kw: PathChoice("remote", "test"))
-    config = tiny_cluster_config(tiny_llama_dir, transport="shm", decode_workers=2)
+    config = tiny_cluster_config(tiny_llama_dir, transport={"name": "shm"}, decode={"workers": 2})
 
     async def strike(cluster):
         await asyncio.sleep(1.5)  # health reports tell the router what the cache holds
@@ -239,7 +239,7 @@ def test_a_dead_decode_workers_streams_are_reexported_by_a_prefill_worker(
 
 
 def test_kill_the_only_prefill_worker_decode_side_prefill_takes_over(tiny_llama_dir, expected):
-    config = tiny_cluster_config(tiny_llama_dir, transport="shm", max_restarts=0)
+    config = tiny_cluster_config(tiny_llama_dir, transport={"name": "shm"}, max_restarts=0)
 
     async def strike(cluster):
         await kill(cluster, "prefill-0")
@@ -269,9 +269,11 @@ def test_kill_the_only_prefill_worker_decode_side_prefill_takes_over(tiny_llama_
 def test_broken_transfers_are_recomputed(tiny_llama_dir, expected, expected_text, fault, reason):
     config = tiny_cluster_config(
         tiny_llama_dir,
-        transport="shm",
-        transfer_timeout_s=1.0,
-        transport_options={"faults": {**fault, "after_fraction": 0.0}},
+        transport={
+            "name": "shm",
+            "timeout_s": 1.0,
+            "faults": {**fault, "after_fraction": 0.0},
+        },
     )
 
     async def nothing():

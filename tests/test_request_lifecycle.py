@@ -14,6 +14,7 @@ from cluster.config import (
     DECODE_SIDE_PREFILL_CPU_STEP_TOKENS,
     ClusterConfig,
     ConfigError,
+    TransportConfig,
 )
 from cluster.control.worker_info import WorkerInfo
 from cluster.flow.disaggregation import Disaggregation, PathChoice
@@ -255,38 +256,46 @@ def test_a_request_that_fits_the_context_but_not_the_pool_is_refused_at_once(tin
 
 
 def test_pools_too_small_for_one_max_length_sequence_are_refused(tiny_llama_dir):
-    config = ClusterConfig(model=str(tiny_llama_dir), block_size=8, decode_kv_blocks=10)
-    with pytest.raises(ConfigError, match="decode_kv_blocks=10 cannot hold one 512-token"):
+    config = ClusterConfig.from_dict(
+        {"model": str(tiny_llama_dir), "block_size": 8, "decode": {"kv_blocks": 10}}
+    )
+    with pytest.raises(ConfigError, match=r"decode\.kv_blocks=10 cannot hold one 512-token"):
         config.check_pools(512)
     config.replace(max_model_len=80).check_pools(80)
 
     from cluster.flow.cluster import PDCluster
 
-    with pytest.raises(ConfigError, match="decode_kv_blocks"):
+    with pytest.raises(ConfigError, match=r"decode\.kv_blocks"):
         PDCluster(config)  # before any Ray actor starts
 
 
 def test_a_transport_that_cannot_join_two_processes_is_refused():
     with pytest.raises(ConfigError, match="'local' moves KV only within one process"):
-        ClusterConfig(transport="local")
-    ClusterConfig(transport="local", mode="colocated")
-    with pytest.raises(ConfigError, match="transport_options"):
-        ClusterConfig(transport_options={"chunk_bytes": -1})
+        ClusterConfig(transport=TransportConfig(name="local"))
+    ClusterConfig(transport=TransportConfig(name="local"), mode="colocated")
+    with pytest.raises(ConfigError, match="transport: chunk_bytes"):
+        ClusterConfig.from_dict({"transport": {"chunk_bytes": -1}})
 
 
 def test_cpu_step_budgets_default_per_role_and_yield_to_the_setting():
     """A prefill worker's step is one prompt chunk; a colocated worker's is 1024 tokens
-    (COLOCATED_CPU_STEP_TOKENS), within max_batch_tokens; prefill_batch_tokens sets both."""
-    disaggregated, colocated = ClusterConfig(), ClusterConfig(mode="colocated", transport="local")
+    (COLOCATED_CPU_STEP_TOKENS), within max_batch_tokens; prefill.batch_tokens sets both."""
+    disaggregated, colocated = (
+        ClusterConfig(),
+        ClusterConfig(mode="colocated", transport=TransportConfig(name="local")),
+    )
     assert disaggregated.engine_config("prefill").max_batch_tokens == 512
     assert disaggregated.engine_config("decode").max_batch_tokens == 2048
     assert colocated.engine_config("decode").max_batch_tokens == COLOCATED_CPU_STEP_TOKENS
     assert colocated.replace(max_batch_tokens=640).engine_config("decode").max_batch_tokens == 640
     assert (
-        colocated.replace(prefill_batch_tokens=768).engine_config("decode").max_batch_tokens == 768
+        colocated.replace(prefill={"batch_tokens": 768}).engine_config("decode").max_batch_tokens
+        == 768
     )
     assert (
-        disaggregated.replace(prefill_batch_tokens=768).engine_config("prefill").max_batch_tokens
+        disaggregated.replace(prefill={"batch_tokens": 768})
+        .engine_config("prefill")
+        .max_batch_tokens
         == 768
     )
 
@@ -294,30 +303,32 @@ def test_cpu_step_budgets_default_per_role_and_yield_to_the_setting():
 def test_a_cpu_decode_worker_that_prefills_on_its_own_keeps_its_steps_short():
     """Under `disaggregation: auto` a CPU decode worker's step, and so the prompt piece
     it may prefill in it, is capped at DECODE_SIDE_PREFILL_CPU_STEP_TOKENS; the prefill
-    worker keeps its chunk; decode_batch_tokens sets the cap."""
+    worker keeps its chunk; decode.batch_tokens sets the cap."""
     auto = ClusterConfig(disaggregation="auto")
     decode, prefill = auto.engine_config("decode"), auto.engine_config("prefill")
     assert (
         decode.max_batch_tokens == decode.prefill_chunk_size == DECODE_SIDE_PREFILL_CPU_STEP_TOKENS
     )
     assert prefill.max_batch_tokens == prefill.prefill_chunk_size == 512
-    wide = auto.replace(decode_batch_tokens=1024).engine_config("decode")
+    wide = auto.replace(decode={"batch_tokens": 1024}).engine_config("decode")
     assert (wide.max_batch_tokens, wide.prefill_chunk_size) == (1024, 512)
-    assert ClusterConfig(decode_batch_tokens=128).engine_config("decode").max_batch_tokens == 128
-    with pytest.raises(ConfigError, match="decode_batch_tokens"):
-        ClusterConfig(decode_batch_tokens=0)
+    narrow = ClusterConfig.from_dict({"decode": {"batch_tokens": 128}})
+    assert narrow.engine_config("decode").max_batch_tokens == 128
+    with pytest.raises(ConfigError, match=r"decode\.batch_tokens"):
+        ClusterConfig.from_dict({"decode": {"batch_tokens": 0}})
 
 
 def test_worker_threads_default_to_the_cores_shared_by_the_serving_workers(monkeypatch):
     """Unset, every worker that serves at once gets an even share of this machine's
     cores (spares wait idle and do not count); a set value is kept as it is."""
     monkeypatch.setattr("cluster.config.os.cpu_count", lambda: 8)
-    colocated = ClusterConfig(mode="colocated", transport="local")
+    colocated = ClusterConfig(mode="colocated", transport=TransportConfig(name="local"))
     assert colocated.worker_threads == 8
     assert colocated.engine_config("decode").num_threads == 8
-    assert colocated.replace(decode_workers=3, standby_workers=1).worker_threads == 2
+    assert colocated.replace(decode={"workers": 3}, standby_workers=1).worker_threads == 2
     assert ClusterConfig().worker_threads == 4  # 1 prefill + 1 decode worker
-    assert ClusterConfig(prefill_workers=4, decode_workers=5).worker_threads == 1
+    wide = ClusterConfig.from_dict({"prefill": {"workers": 4}, "decode": {"workers": 5}})
+    assert wide.worker_threads == 1
     assert ClusterConfig(threads_per_worker=3).engine_config("prefill").num_threads == 3
     with pytest.raises(ConfigError, match="threads_per_worker"):
         ClusterConfig(threads_per_worker=0)
@@ -407,10 +418,7 @@ def result_of(request, ticket=True) -> PrefillResult:
     return PrefillResult(
         request.request_id,
         "prefill-0",
-        7,
-        "x",
-        False,
-        None,
+        TokenEvent([7], "x", False, None, 1),
         len(request.prompt_token_ids),
         ticket=SimpleNamespace(num_tokens=3) if ticket else None,
         queue_s=0.0,
@@ -426,7 +434,7 @@ def tokens_of(request):
 
 
 def cluster_of(prefill: FakeWorker, decode: FakeWorker):
-    config = ClusterConfig(transport="shm", recovery_timeout_s=0.5)
+    config = ClusterConfig(transport=TransportConfig(name="shm"), recovery_timeout_s=0.5)
     workers = {w.info.worker_id: w.info for w in (prefill, decode)}
     flow = RequestFlow(config, Router("round_robin", workers), lambda w, why, generation: None)
     return flow, workers
@@ -571,7 +579,7 @@ def test_the_streams_of_a_dead_decode_worker_see_each_others_recomputes(monkeypa
         survivor = FakeWorker("decode-1", "decode", {"decode": rest})
         prefill.gate.set()
         workers = {w.info.worker_id: w.info for w in (prefill, dying, survivor)}
-        config = ClusterConfig(transport="shm", recovery_timeout_s=0.5)
+        config = ClusterConfig(transport=TransportConfig(name="shm"), recovery_timeout_s=0.5)
         router = Router("round_robin", workers)
         survivor.info.alive = False  # both requests start on decode-0
         flow = RequestFlow(config, router, lambda w, why, generation: setattr(w, "alive", False))

@@ -37,8 +37,8 @@ def server(tiny_llama_dir):
         "--model", str(tiny_llama_dir), "--dtype", "float32", "--transport", "shm",
         "--block-size", "8", "--max-model-len", "256", "--prefill-kv-blocks", "64",
         "--decode-kv-blocks", "32", "--max-batch-tokens", "16", "--prefill-chunk-size", "16",
-        "--lease-ttl-s", "30",
-        "--transport-options", json.dumps({"bandwidth_bytes_per_s": BANDWIDTH}),
+        "--transport-lease-ttl-s", "30",
+        "--transport-bandwidth-bytes-per-s", str(BANDWIDTH),
     ]  # fmt: skip
     process = ServerProcess(args, env={"PDSERVE_STEP_DELAY_S": "0.05"})
     yield process

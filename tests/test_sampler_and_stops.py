@@ -161,7 +161,7 @@ def test_stop_string_cuts_text_and_streams_nothing_past_it(tiny_llama_dir):
     streamed, finish = "", None
     while engine.has_unfinished():
         for out in engine.step():
-            streamed += out.new_text
+            streamed += out.text
             finish = out.finish_reason
 
     assert streamed == text[: text.index(stop)]
@@ -204,7 +204,7 @@ def test_resume_streams_text_that_was_held_back_elsewhere(tiny_llama_dir):
     )
     streamed = ""
     while engine.has_unfinished():
-        streamed += "".join(out.new_text for out in engine.step())
+        streamed += "".join(out.text for out in engine.step())
 
     assert client_has + streamed == engine.tokenizer.decode(seq.output_token_ids)
     assert_no_leaks(engine)

@@ -63,7 +63,7 @@ def test_prompt_and_output_logprobs_equal_transformers_log_softmax(tiny_llama_di
     for step, output in enumerate(outputs):
         (entry,) = output.logprobs
         row = output_reference[len(prompt) - 1 + step]
-        assert entry.token_id == output.new_token_ids[0]
+        assert entry.token_id == output.token_ids[0]
         assert abs(entry.logprob - row[entry.token_id].item()) < TOLERANCE
         assert entry.rank == int((row > row[entry.token_id]).sum()) + 1
         top_ids, top_values = [t for t, _ in entry.top], [v for _, v in entry.top]

@@ -132,8 +132,8 @@ def test_a_sender_whose_faults_strike_in_begin_publishes_no_table(tmp_path, mode
         "shm", "prefill-1", random_pool(seed=1), replace(options, faults=FaultOptions())
     )
     try:
-        assert faulty.endpoint()["shm"]["table"] is None
-        assert plain.endpoint()["shm"]["table"]["blocks"] == plain.pool.num_blocks
+        assert faulty.endpoint().shm.table is None
+        assert plain.endpoint().shm.table.blocks == plain.pool.num_blocks
     finally:
         faulty.close()
         plain.close()

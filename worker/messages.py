@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import EngineError
-from engine.logprobs import TokenLogprobs
 from engine.sampling_params import SamplingParams
+from engine.sequence import TokenDelta
 
 
 @dataclass(frozen=True)
@@ -42,10 +42,9 @@ class PrefillResult:
 
     request_id: str
     worker_id: str
-    first_token_id: int
-    first_text: str
-    finished: bool
-    finish_reason: str | None
+    first: TokenDelta
+    """The first token as the engine made it: its text, whether it finished the request,
+    its logprobs, the prompt's logprobs, the prompt tokens the prefix cache held."""
     num_prompt_tokens: int
     ticket: Any | None
     """`kv_transfer.ExportTicket` of the pinned blocks; the decode worker pulls them."""
@@ -55,12 +54,6 @@ class PrefillResult:
     """From then until the first token was sampled."""
     export_s: float
     """From the first token until the export ticket was ready (0 when none)."""
-    num_cached_tokens: int = 0
-    """Prompt tokens this worker's prefix cache already held: not computed again."""
-    first_logprobs: TokenLogprobs | None = None
-    """The first token's logprobs, computed here from the logits it was sampled from."""
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
-    """Per prompt token (None for the first) when the request asked (`echo`)."""
 
 
 @dataclass(frozen=True)
@@ -101,20 +94,11 @@ class ImportEvent:
     """Blocks the transfer wrote (`num_bytes` = moved_blocks x block bytes)."""
 
 
-@dataclass(frozen=True)
-class TokenEvent:
-    token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: str | None
-    num_output_tokens: int
-    num_cached_tokens: int = 0
-    """Tokens the decode worker took from its prefix cache when it computed this
-    request's KV itself (no ticket: decode-side prefill, recovery); 0 otherwise."""
-    logprobs: list[TokenLogprobs] | None = None
-    """Logprobs of `token_ids`, when the request asked for them."""
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
-    """On the first event of a request whose prompt was computed here and that asked."""
+TokenEvent = TokenDelta
+"""A decode stream's tokens: the engine's record of one step, sent on as it is. Its
+`num_cached_tokens` is what the decode worker's prefix cache held when it computed the
+request's KV itself (decode-side prefill, recovery); `prompt_logprobs` come on the
+first event of a request whose prompt was computed here and that asked."""
 
 
 @dataclass(frozen=True)

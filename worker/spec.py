@@ -28,9 +28,8 @@ class WorkerSpec:
     transport: str
     """KV transport name (`kv_transfer.registry`); unused by colocated workers."""
     transport_options: TransportOptions | None
-    """Validated in the driver; None for colocated workers, which move no KV."""
-    transfer_timeout_s: float
-    """Bound on one KV fetch (decode workers)."""
+    """Validated in the driver; None for colocated workers, which move no KV. Its
+    `timeout_s` bounds a decode worker's fetch of one request's KV."""
     on_transfer_failure: TransferFailurePolicy
     """A failed import: `recompute` the prompt here, or `fail` the request."""
     cpu_cores: tuple[int, ...] | None = None
@@ -41,8 +40,6 @@ class WorkerSpec:
             raise ValueError(f"unknown worker role {self.role!r}")
         if self.role != "colocated" and self.transport_options is None:
             raise ValueError(f"a {self.role} worker needs transport options")
-        if self.transfer_timeout_s <= 0:
-            raise ValueError("transfer_timeout_s must be positive")
         if self.on_transfer_failure not in ("recompute", "fail"):
             raise ValueError(f"unknown on_transfer_failure {self.on_transfer_failure!r}")
         if self.cpu_cores is not None and (not self.cpu_cores or min(self.cpu_cores) < 0):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 
-from cluster.flow.request import ClusterRequest, GenerationChunk
+from cluster.flow.request import CloseReason, ClusterRequest, GenerationChunk
 
 _DONE = object()
 MAX_QUEUED_CHUNKS = 64
@@ -66,9 +66,9 @@ class ChoiceFanout:
                 else:
                     yield index, item
         finally:
-            await self.close("cancelled")
+            await self.close(CloseReason.CANCELLED)
 
-    async def close(self, reason: str) -> None:
+    async def close(self, reason: CloseReason) -> None:
         """Stop every choice still running and close every one (idempotent)."""
         for task in self._tasks:
             task.cancel()

@@ -6,7 +6,7 @@ and a request that still reaches the server (on a connection opened before) is
 refused with a 503. Requests in flight run on. `timeout_s` later `cut` is set, and
 every request still running ends with a 503 "shutting down" error: in its SSE stream
 (an error event, then `[DONE]`) or as its answer. It is closed with reason
-`shutdown`, which aborts it on its workers and frees its KV blocks, before the
+`CloseReason.SHUTDOWN`, which aborts it on its workers and frees its KV blocks, before the
 workers themselves are stopped.
 """
 
@@ -15,9 +15,6 @@ from __future__ import annotations
 import asyncio
 
 from cluster.api.openai_protocol import ApiError
-
-SHUTDOWN = "shutdown"
-"""The close reason of a request cut at the end of a drain."""
 
 
 class Drain:

@@ -35,7 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster import package_version
 from cluster.api.choice_fanout import ChoiceFanout
-from cluster.api.drain import SHUTDOWN, Drain
+from cluster.api.drain import Drain
 from cluster.api.frontend_settings import FrontendSettings
 from cluster.api.openai_protocol import (
     ApiError,
@@ -59,7 +59,12 @@ from cluster.api.tokenize_api import (
 from cluster.api.tools import ToolCallReader
 from cluster.control.metrics import ClusterMetrics
 from cluster.flow.cluster import PDCluster, RequestTimeoutError
-from cluster.flow.request import ClusterRequest, GenerationChunk, RequestFailedError
+from cluster.flow.request import (
+    CloseReason,
+    ClusterRequest,
+    GenerationChunk,
+    RequestFailedError,
+)
 from cluster.flow.router import NoLiveWorkerError
 from engine.errors import InvalidRequestError
 
@@ -67,7 +72,13 @@ logger = logging.getLogger(__name__)
 
 
 _CLIENT_TAG = re.compile(r"[A-Za-z0-9._:-]{1,64}")
-OUTCOME_BY_CLOSE = {"finished": "ok", "cancelled": "cancelled", "timeout": "timeout"}
+OUTCOME_BY_CLOSE = {
+    CloseReason.FINISHED: "ok",
+    CloseReason.CANCELLED: "cancelled",
+    CloseReason.TIMEOUT: "timeout",
+}
+"""The outcome label of an HTTP request by its first non-finished choice's close reason;
+any other reason counts as `error`."""
 """Close reasons as outcomes; any other (error, shutdown) counts as an error."""
 STATUS_BY_KIND = {"invalid_request": 400, "transfer_failed": 503, "aborted": 503}
 PUBLIC_FAILURES = {
@@ -318,13 +329,13 @@ class OpenAIHandler:
         def closed(req: ClusterRequest) -> None:
             self.in_flight -= 1
             open_choices[0] -= 1
-            if req.close_reason != "finished":
-                outcomes.append(req.close_reason or "")
+            if req.close_reason != CloseReason.FINISHED:
+                outcomes.append(req.close_reason)
             if open_choices[0] == 0:
-                reason = outcomes[0] if outcomes else "finished"
+                reason = outcomes[0] if outcomes else CloseReason.FINISHED
                 self.metrics.observe_outcome(OUTCOME_BY_CLOSE.get(reason, "error"), endpoint)
 
-        outcomes: list[str] = []
+        outcomes: list[CloseReason | None] = []
         for req in reqs:
             req.on_close.append(closed)
 
@@ -468,7 +479,8 @@ class OpenAIHandler:
             gone.cancel()
             if not collect.done():
                 collect.cancel()
-                _close_all(opened.reqs, SHUTDOWN if cut.done() else "cancelled")
+                reason = CloseReason.SHUTDOWN if cut.done() else CloseReason.CANCELLED
+                _close_all(opened.reqs, reason)
                 with contextlib.suppress(asyncio.CancelledError, ApiError):
                     await collect
         if collect.cancelled():
@@ -557,7 +569,7 @@ def _check_bearer(request: Request, key: str) -> None:
         raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')")
 
 
-def _close_all(reqs: list[ClusterRequest], reason: str) -> None:
+def _close_all(reqs: list[ClusterRequest], reason: CloseReason) -> None:
     for req in reqs:
         req.close(reason)
 
@@ -582,7 +594,9 @@ class OwnedStreamingResponse(StreamingResponse):
     server's drain running out) comes first, the stream ends with a 503 error event
     and `[DONE]`, and `on_close` gets `shutdown`."""
 
-    def __init__(self, content, on_close: Callable[[str], None], cut: asyncio.Future, **kwargs):
+    def __init__(
+        self, content, on_close: Callable[[CloseReason], None], cut: asyncio.Future, **kwargs
+    ):
         super().__init__(content, **kwargs)
         self.on_close = on_close
         self.cut = cut
@@ -590,7 +604,7 @@ class OwnedStreamingResponse(StreamingResponse):
         """The response's head has gone out (a cut then ends the body, else sends a 503)."""
 
     async def __call__(self, scope, receive, send) -> None:
-        reason = "cancelled"  # a finished stream closed its requests already
+        reason = CloseReason.CANCELLED  # a finished stream closed its requests already
         try:
             stream = asyncio.ensure_future(self.stream_response(self._noting_start(send)))
             gone = asyncio.ensure_future(self.listen_for_disconnect(receive))
@@ -604,7 +618,7 @@ class OwnedStreamingResponse(StreamingResponse):
                 with contextlib.suppress(asyncio.CancelledError, OSError):
                     await stream
             if self.cut in done and not done & {stream, gone}:
-                reason = SHUTDOWN
+                reason = CloseReason.SHUTDOWN
                 with contextlib.suppress(OSError):
                     await self._end_cut(scope, receive, send)
         finally:

@@ -87,7 +87,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     engine.add_request("generate-0", prompt_ids, params)
     while engine.has_unfinished():
         for output in engine.step():
-            sys.stdout.write(output.new_text)
+            sys.stdout.write(output.text)
             sys.stdout.flush()
     sys.stdout.write("\n")
     return 0

@@ -41,8 +41,9 @@ def add_serve_parser(sub) -> None:
         help="serve an OpenAI-compatible API over prefill and decode worker pools",
         description="Start (or join) a Ray cluster, start prefill and decode workers, and serve "
         "/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /health "
-        "and /metrics. Every ClusterConfig key is a flag; flags override the YAML --config "
-        "file (see docs/operations.md).",
+        "and /metrics. Every ClusterConfig key is a flag (a section's keys as "
+        "--{section}-{key}: --prefill-workers, --transport-chunk-bytes); flags override the "
+        "YAML --config file (see docs/operations.md).",
     )
     parser.add_argument("--config", help="YAML file with ClusterConfig keys")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
@@ -61,13 +62,17 @@ def add_serve_parser(sub) -> None:
         f"default: {DRAIN_TIMEOUT_S:g}, under Kubernetes' 30 s grace period)",
     )
     add_config_flags(parser, FrontendSettings, skip={"limits"})
-    add_config_flags(parser, ClusterConfig, skip={"cluster_token"})
+    add_config_flags(parser, ClusterConfig, skip=UNFLAGGED)
     add_limit_flags(parser)
     parser.set_defaults(func=run_serve)
 
 
+UNFLAGGED = frozenset({"transport.token"})
+"""Config keys with no flag: a secret on a command line is in every process listing."""
+
+
 def config_from_args(args: argparse.Namespace) -> ClusterConfig:
-    return ClusterConfig.load(args.config, config_overrides(args, ClusterConfig))
+    return ClusterConfig.load(args.config, config_overrides(args, ClusterConfig, UNFLAGGED))
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -181,8 +186,11 @@ def _draining_server(app, settings: FrontendSettings, drain_timeout_s: float):
 
 def _pools(config: ClusterConfig) -> str:
     if config.mode == "colocated":
-        return f"{config.decode_workers} colocated worker(s)"
-    return f"{config.prefill_workers} prefill + {config.decode_workers} decode worker(s), transport {config.transport}"
+        return f"{config.decode.workers} colocated worker(s)"
+    return (
+        f"{config.prefill.workers} prefill + {config.decode.workers} decode worker(s), "
+        f"transport {config.transport.name}"
+    )
 
 
 def _announce(scheme: str, host: str, port: int, model_id: str) -> None:

@@ -122,9 +122,7 @@ class Controller:
 
     def _target(self, role: str) -> int:
         """Workers of `role` that take requests at full strength."""
-        if role == "prefill":
-            return self.config.prefill_workers
-        return self.config.decode_workers
+        return self.config.pool("prefill" if role == "prefill" else "decode").workers
 
     def _spawn(self, worker: WorkerInfo):
         """Start the next generation of `worker`'s actor in a new process; returns its handle."""
@@ -137,7 +135,9 @@ class Controller:
         """A process for `PrestartedProcesses`: imports done, nothing built. It asks for a
         sliver of its pool's resource, which keeps it on that pool's nodes without taking
         a worker's slot (a node may advertise exactly one unit per worker)."""
-        return self._start_actor(role, name, PRESTARTED_POOL_SHARE, None, self.config.transport)
+        return self._start_actor(
+            role, name, PRESTARTED_POOL_SHARE, None, self.config.transport.name
+        )
 
     def _start_actor(
         self,

@@ -57,7 +57,7 @@ class WorkerCollector:
             families.standby.add_metric([role], standby[role])
         for role, count in sorted(self.controller.prestarted.counts().items()):
             families.prestarted.add_metric([role], count)
-        families.transport.add_metric([str(self.controller.config.transport)], 1)
+        families.transport.add_metric([self.controller.config.transport.name], 1)
         families.ray_cpu.add_metric([], cpu_seconds(self._ray_processes()))
         yield from families.all()
 

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable
 
 from cluster.config import ClusterConfig
 from cluster.control.controller import Controller
-from cluster.flow.request import ClusterRequest, GenerationChunk
+from cluster.flow.request import CloseReason, ClusterRequest, GenerationChunk
 from cluster.flow.request_flow import RequestFlow
 from cluster.flow.router import Router
 from cluster.timeline import RequestTimeline
@@ -51,8 +51,9 @@ class PDCluster:
     """Owned by one driver process (the HTTP frontend, a test, a script)."""
 
     def __init__(self, config: ClusterConfig):
-        if not config.cluster_token:
-            config = config.replace(cluster_token=envs.cluster_token() or secrets.token_hex(16))
+        if not config.transport.token:
+            token = envs.cluster_token() or secrets.token_hex(16)
+            config = config.replace(transport={"token": token})
         self.config = config
         model_dir, self.model_id = resolve_model(config.model)
         self.tokenizer = Tokenizer(model_dir)
@@ -128,9 +129,9 @@ class PDCluster:
                 "max_tokens)",
                 request_id,
             )
-        pools = {"decode": (self.config.decode_kv_blocks, wanted)}
+        pools = {"decode": (self.config.decode.kv_blocks, wanted)}
         if self.config.mode == "disaggregated":
-            pools["prefill"] = (self.config.prefill_kv_blocks, len(prompt_ids) + 1)
+            pools["prefill"] = (self.config.prefill.kv_blocks, len(prompt_ids) + 1)
         for role, (blocks, tokens) in pools.items():
             if blocks_needed(tokens, self.config.block_size) > blocks:
                 raise InvalidRequestError(
@@ -144,22 +145,22 @@ class PDCluster:
         Raises `RequestTimeoutError` past `request_timeout_s` (the request is aborted)."""
         deadline = time.monotonic() + self.config.request_timeout_s
         stream = self.flow.run(req)
-        reason = "error"
+        reason = CloseReason.ERROR
         try:
             while True:
                 try:
                     chunk = await asyncio.wait_for(anext(stream), deadline - time.monotonic())
                 except StopAsyncIteration:
-                    reason = "finished"
+                    reason = CloseReason.FINISHED
                     return
                 except asyncio.TimeoutError:
-                    reason = "timeout"
+                    reason = CloseReason.TIMEOUT
                     raise RequestTimeoutError(
                         req.request_id, self.config.request_timeout_s
                     ) from None
                 yield self._stamp(req, chunk)
         except (GeneratorExit, asyncio.CancelledError):
-            reason = "cancelled"
+            reason = CloseReason.CANCELLED
             raise
         finally:
             await stream.aclose()

@@ -15,6 +15,7 @@ twice.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,12 +25,24 @@ from cluster.flow.router import Claim, LocalPrefill
 from cluster.timeline import RequestTimeline
 from engine.logprobs import TokenLogprobs
 from engine.sampling_params import SamplingParams
+from engine.sequence import TokenDelta
 
 logger = logging.getLogger(__name__)
 
-CloseReason = str
-"""`finished`, `cancelled` (the caller went away), `timeout`, `error`, or `shutdown` (cut
-at the end of the server's drain, `cluster.api.drain`)."""
+
+class CloseReason(enum.StrEnum):
+    """Why a request was closed. The values are the strings the frontend's outcome
+    metric and logs have always shown (a `StrEnum` is its value wherever it is printed,
+    compared or written to JSON)."""
+
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+    """The caller went away."""
+    TIMEOUT = "timeout"
+    """Past `request_timeout_s`."""
+    ERROR = "error"
+    SHUTDOWN = "shutdown"
+    """Cut at the end of the server's drain (`cluster.api.drain`)."""
 
 
 class RequestFailedError(RuntimeError):
@@ -53,21 +66,46 @@ class TransferFailedError(RequestFailedError):
 
 @dataclass
 class GenerationChunk:
-    """One streamed piece of a generation, as the Python API and the frontend see it."""
+    """One streamed piece of a generation, as the Python API and the frontend see it:
+    the engine's token record as a worker sent it, and what the driver adds. The
+    record's fields read through (`chunk.token_ids`, `chunk.text`, ...)."""
 
     request_id: str
-    token_ids: list[int]
-    text: str
-    finished: bool = False
-    finish_reason: str | None = None
+    tokens: TokenDelta
+    """The first token from the prefill worker, or a decode step's tokens."""
     num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
     timings: dict = field(default_factory=dict)
     """Set on the final chunk: the per-phase breakdown (`RequestTimeline.breakdown`)."""
-    logprobs: list[TokenLogprobs] | None = None
-    """Logprobs of `token_ids`, when the request asked for them."""
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
-    """On the first chunk, when the request asked for prompt logprobs (`echo`)."""
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.tokens.token_ids
+
+    @property
+    def text(self) -> str:
+        return self.tokens.text
+
+    @property
+    def finished(self) -> bool:
+        return self.tokens.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.tokens.finish_reason
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.tokens.num_output_tokens
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs] | None:
+        """Logprobs of `token_ids`, when the request asked for them."""
+        return self.tokens.logprobs
+
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprobs | None] | None:
+        """On the first chunk, when the request asked for prompt logprobs (`echo`)."""
+        return self.tokens.prompt_logprobs
 
 
 class ClusterRequest:
@@ -154,7 +192,7 @@ class ClusterRequest:
         when the client goes away; never blocks."""
         if self.closed:
             return
-        self.close_reason = reason
+        self.close_reason = CloseReason(reason)
         for worker in list(self._holders.values()):
             self._abort_on(worker)
         self._holders.clear()

@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import enum
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -55,7 +56,7 @@ from cluster.flow.request import (
     TransferFailedError,
 )
 from cluster.flow.router import Claim, LocalPrefill, NoLiveWorkerError, Router
-from engine.kv_cache import KVLayout
+from cluster.recoveries import Recovery, RecoveryPath
 from engine.sampling_params import SamplingParams
 from worker.messages import (
     DecodeRequest,
@@ -76,8 +77,16 @@ its new decode worker. The remote path has hops the model leaves out (the prefil
 the export, the import handshake) and runs right after a death, while the replacement
 starts: with ~15-token prompts on a 2-core machine, streams rebuilt remotely resumed no
 sooner than recomputed ones."""
-_PREFILL_ON_DECODE = "prefill_on_decode"
-"""`_prefill_on_some_worker`'s answer when the request is to be prefilled where it decodes."""
+
+
+class PrefillElsewhere(enum.Enum):
+    """`_prefill_on_some_worker`'s answer when no prefill worker produced the first token:
+    the request is prefilled where it decodes."""
+
+    CHOSEN = enum.auto()
+    """`disaggregation` chose the decode worker."""
+    NO_PREFILL_WORKER = enum.auto()
+    """No prefill worker was alive."""
 
 
 class RequestFlow:
@@ -104,7 +113,7 @@ class RequestFlow:
             router.views,
             config.prefill_chunk_size,
             config.block_size,
-            config.kv_transport_options().bandwidth_bytes_per_s,
+            config.transport.bandwidth_bytes_per_s,
             decode_chunk=config.decode_prefill_chunk,
         )
 
@@ -124,24 +133,14 @@ class RequestFlow:
             req.timeline.disaggregation = PathChoice("local", "never").as_dict()
             return
         result = await self._prefill_on_some_worker(req)
-        if result == _PREFILL_ON_DECODE:
+        if result is PrefillElsewhere.NO_PREFILL_WORKER:
+            req.timeline.recoveries.append(Recovery.DECODE_SIDE_PREFILL)
+            req.timeline.recovery_paths.append(RecoveryPath.DECODE_SIDE_PREFILL)
+        if isinstance(result, PrefillElsewhere):
             return
-        if result is None:  # no prefill worker alive: the decode worker prefills
-            req.timeline.recoveries.append("decode_side_prefill")
-            req.timeline.recovery_paths.append("decode_side_prefill")
-            return
-        first = GenerationChunk(
-            req.request_id,
-            [result.first_token_id],
-            result.first_text,
-            finished=result.finished,
-            finish_reason=result.finish_reason,
-            num_output_tokens=1,
-            logprobs=[result.first_logprobs] if result.first_logprobs else None,
-            prompt_logprobs=result.prompt_logprobs,
-        )
+        first = GenerationChunk(req.request_id, result.first)
         req.prompt_computed()
-        req.decided.append(result.first_token_id)
+        req.decided += result.first.token_ids
         req.text_len += len(first.text)
         req.ticket = result.ticket
         if self.config.first_token_from == "prefill" or first.finished:
@@ -149,9 +148,10 @@ class RequestFlow:
         else:
             req.pending_first = first
 
-    async def _prefill_on_some_worker(self, req: ClusterRequest) -> PrefillResult | str | None:
-        """First prefill worker that answers; None when none is alive; `_PREFILL_ON_DECODE`
-        when `disaggregation: auto` chose the decode worker."""
+    async def _prefill_on_some_worker(
+        self, req: ClusterRequest
+    ) -> PrefillResult | PrefillElsewhere:
+        """First prefill worker that answers, or why the decode worker prefills instead."""
         retried = False
         while True:
             try:
@@ -159,7 +159,7 @@ class RequestFlow:
                     "prefill", req.request_id, tokens=req.prompt_ids, salt=req.params.cache_salt
                 )
             except NoLiveWorkerError:
-                return None
+                return PrefillElsewhere.NO_PREFILL_WORKER
             claim = req.claim(pick)
             self._pick_decode_peer(req)  # a retry picks both again
             _note_route(req, claim)
@@ -167,8 +167,8 @@ class RequestFlow:
                 claim.release()
                 self._prefill_locally(req, req.decode_pick.worker, len(req.prompt_ids))
                 if retried:
-                    req.timeline.recovery_paths.append("decode_side_prefill")
-                return _PREFILL_ON_DECODE
+                    req.timeline.recovery_paths.append(RecoveryPath.DECODE_SIDE_PREFILL)
+                return PrefillElsewhere.CHOSEN
             worker = claim.worker
             req.hold(worker)
             sent = time.monotonic()
@@ -176,7 +176,7 @@ class RequestFlow:
                 reply = await worker.handle.prefill.remote(self._prefill_request(req))
             except WORKER_FAILURES as exc:
                 req.let_go(worker)
-                self._failed(claim, exc, req, "prefill_died")
+                self._failed(claim, exc, req, Recovery.PREFILL_DIED)
                 retried = True
                 continue
             finally:
@@ -186,7 +186,7 @@ class RequestFlow:
                 raise RequestFailedError(req.request_id, reply.kind, reply.message)
             req.timeline.on_prefill(sent, time.monotonic(), reply)
             if retried:
-                req.timeline.recovery_paths.append("prefill_retry")
+                req.timeline.recovery_paths.append(RecoveryPath.PREFILL_RETRY)
             if reply.ticket is None:
                 req.let_go(worker)
             else:
@@ -238,7 +238,7 @@ class RequestFlow:
             if rebuild:
                 path = await self._rebuild_kv(req, claim.worker)
                 req.timeline.recovery_paths.append(path)
-                if path == "recompute" and self.config.mode == "disaggregated":
+                if path == RecoveryPath.RECOMPUTE and self.config.mode == "disaggregated":
                     self._prefill_locally(req, claim.worker, len(req.kv_tokens))
             try:
                 async for chunk in self._decode_on(claim, req):
@@ -246,10 +246,10 @@ class RequestFlow:
                 return
             except WORKER_FAILURES as exc:
                 req.let_go(claim.worker)
-                self._failed(claim, exc, req, f"{role}_died")
+                self._failed(claim, exc, req, Recovery.died(role))
                 rebuild = not self._repull_pays(req)
                 if not rebuild:
-                    req.timeline.recovery_paths.append("repull")
+                    req.timeline.recovery_paths.append(RecoveryPath.REPULL)
 
     def _repull_pays(self, req: ClusterRequest) -> bool:
         """The next decode worker re-pulls the still-pinned export and computes only the
@@ -257,13 +257,13 @@ class RequestFlow:
         the KV again (`_rebuild_kv`); otherwise the export is released."""
         exporter = req.exporter
         if req.ticket is not None and exporter is not None and exporter.alive:
-            kv_bytes = KVLayout(**req.ticket.layout).block_nbytes * len(req.ticket.block_ids)
+            kv_bytes = req.ticket.layout.block_nbytes * len(req.ticket.block_ids)
             if self.costs.choose(len(req.prompt_ids), len(req.decided), kv_bytes) == "repull":
                 return True
         req.release_export()
         return False
 
-    async def _rebuild_kv(self, req: ClusterRequest, decode: WorkerInfo) -> str:
+    async def _rebuild_kv(self, req: ClusterRequest, decode: WorkerInfo) -> RecoveryPath:
         """After a decode worker died with no export left to re-pull, the KV of the prompt
         and of every decided token but the last is computed again: on the prefill worker
         whose prefix cache still holds most of the prompt, which exports it to `decode`
@@ -272,13 +272,13 @@ class RequestFlow:
         remote only by `REBUILD_REMOTE_MARGIN`. Returns the path; a reprefill that fails
         falls back."""
         if self.config.mode != "disaggregated" or self.disaggregation.mode == "never":
-            return "recompute"
+            return RecoveryPath.RECOMPUTE
         tokens = req.kv_tokens
         salt = req.params.cache_salt
         try:
             claim = self.router.pick_holder("prefill", req.request_id, tokens, salt)
         except NoLiveWorkerError:
-            return "recompute"
+            return RecoveryPath.RECOMPUTE
         choice = self.disaggregation.choose(tokens, claim.worker, decode, True, salt)
         logger.debug(
             "request %s: KV of %d tokens to rebuild: %s", req.request_id, len(tokens), choice
@@ -286,7 +286,7 @@ class RequestFlow:
         self.router.views.note_tokens(decode.worker_id, tokens, salt)  # either way
         if not _remote_rebuild_pays(choice):
             claim.release()
-            return "recompute"
+            return RecoveryPath.RECOMPUTE
         worker = req.claim(claim).worker
         req.hold(worker)
         params = kv_only(req.params, len(req.decided))
@@ -298,15 +298,15 @@ class RequestFlow:
             )
         except WORKER_FAILURES as exc:
             req.let_go(worker)
-            self._failed(claim, exc, req, "prefill_died")
-            return "recompute"
+            self._failed(claim, exc, req, Recovery.PREFILL_DIED)
+            return RecoveryPath.RECOMPUTE
         finally:
             claim.release()
         if isinstance(reply, ErrorEvent) or reply.ticket is None:
             req.let_go(worker)
-            return "recompute"
+            return RecoveryPath.RECOMPUTE
         req.ticket, req.exporter = reply.ticket, worker
-        return "reprefill"
+        return RecoveryPath.REPREFILL
 
     async def _decode_claim(self, req: ClusterRequest, role: str, predict: bool = True) -> Claim:
         """The decode worker chosen with the prefill (the ticket names it) goes first,
@@ -367,16 +367,7 @@ class RequestFlow:
             req.prompt_computed()
         if item.finished:
             req.let_go(worker)
-        yield GenerationChunk(
-            request_id=req.request_id,
-            token_ids=item.token_ids,
-            text=item.text,
-            finished=item.finished,
-            finish_reason=item.finish_reason,
-            num_output_tokens=item.num_output_tokens,
-            logprobs=item.logprobs,
-            prompt_logprobs=item.prompt_logprobs,
-        )
+        yield GenerationChunk(req.request_id, item)
 
     async def _pick_waiting(
         self, role: str, req: ClusterRequest, tokens: list[int], predict: bool = True
@@ -406,8 +397,8 @@ class RequestFlow:
         req.release_export()
         if self.config.on_transfer_failure == "recompute":
             req.timeline.recomputed = True
-            req.timeline.recoveries.append("transfer_failed")
-            req.timeline.recovery_paths.append("recompute")
+            req.timeline.recoveries.append(Recovery.TRANSFER_FAILED)
+            req.timeline.recovery_paths.append(RecoveryPath.RECOMPUTE)
             self._warn_recompute(prefill, event)
 
     def _warn_recompute(self, prefill: str, event: ImportEvent) -> None:
@@ -426,7 +417,7 @@ class RequestFlow:
             event.message,
         )
 
-    def _failed(self, claim: Claim, exc: BaseException, req: ClusterRequest, what: str):
+    def _failed(self, claim: Claim, exc: BaseException, req: ClusterRequest, what: Recovery):
         worker = claim.worker
         logger.warning("request %s: %s (%s): %r", req.request_id, what, worker.worker_id, exc)
         req.timeline.recoveries.append(what)

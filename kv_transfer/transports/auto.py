@@ -34,8 +34,8 @@ class AutoReceiver(TransportReceiver):
     def choose(self, ticket: ExportTicket) -> TransportReceiver:
         """shm when the sender shares our node and serves shm, else collective."""
         endpoint = ticket.sender_endpoint
-        same_node = endpoint.get("node") == self.node
-        if same_node and "shm" in endpoint and self.pool.kv.device.type == "cpu":
+        same_node = endpoint.node == self.node
+        if same_node and endpoint.shm is not None and self.pool.kv.device.type == "cpu":
             return self.shm
         return self.collective
 

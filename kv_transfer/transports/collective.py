@@ -6,13 +6,13 @@ CUDA pools, same code), rendezvoused through the sender's `TCPStore` under a
 pairs. Lifecycle of a pair and of one transfer:
 
     receiver                                   sender (control thread of this pair)
-    open control connection, {"op": "pair"} -> reply prefix; build group rank 0
+    open control connection, Pair           -> Reply(prefix); build group rank 0
     build group rank 1 (rendezvous via store)
-    {"op": "fetch", request_id, dst ids}    -> begin_transfer; reply piece size
+    Fetch(request_id, dst ids)              -> begin_transfer; Reply(piece_bytes)
     with it, a recv per piece into our pool <- send each piece from the pool (no copy),
       (the piece size is in the sender's       pacing, faults, lease heartbeats
       endpoint: no round trip before data)
-    wait {"done"}                            <- end_transfer; reply done
+    wait for Done                           <- end_transfer; Done(nbytes)
     ... later fetches reuse the pair ...
     any failure: both ends drop the pair (group aborted, connection closed); the next
     fetch builds a fresh one. The connection closing is how a sender sees a dead peer.
@@ -66,6 +66,8 @@ from kv_transfer.control import (
     responsive,
     send_message,
 )
+from kv_transfer.control_messages import Done, Fetch, Heartbeat, Pair, Reply, parse_request
+from kv_transfer.endpoints import CollectiveEndpoint, HostPort
 from kv_transfer.faults import DropTransfer, FaultPlan
 from kv_transfer.integrity import BlockVerifier
 from kv_transfer.listeners import bind_listener
@@ -161,22 +163,21 @@ class CollectiveServer:
     def _shaper(self) -> Shaper:
         return Shaper(self.options.bandwidth_bytes_per_s, self.options.added_latency_s)
 
-    def endpoint(self) -> dict:
+    def endpoint(self) -> CollectiveEndpoint:
         host = self.options.dial_host
-        return {
-            "collective": {
-                "control": [host, self.control.port],
-                "store": [host, self.store.port],
-                "piece_bytes": self.piece_bytes,
-            }
-        }
+        return CollectiveEndpoint(
+            control=HostPort(host, self.control.port),
+            store=HostPort(host, self.store.port),
+            piece_bytes=self.piece_bytes,
+        )
 
     def _serve_pair(self, conn: socket.socket, message: dict) -> None:
-        if message.get("op") != "pair":
-            send_message(conn, {"ok": False, "reason": "internal", "message": "pair first"})
+        pair = parse_request(message)
+        if not isinstance(pair, Pair):
+            _reply(conn, Reply(False, FailureReason.INTERNAL, "pair first"))
             return
-        prefix = f"kv/{self.sender.worker_id}/{message.get('receiver')}/{uuid.uuid4().hex}"
-        send_message(conn, {"ok": True, "prefix": prefix})
+        prefix = f"kv/{self.sender.worker_id}/{pair.receiver}/{uuid.uuid4().hex}"
+        _reply(conn, Reply(True, prefix=prefix))
         group = make_pair_group(
             self.store,
             prefix,
@@ -187,33 +188,33 @@ class CollectiveServer:
         )
         try:
             while True:
-                request = recv_message(conn)
-                if request.get("op") == "heartbeat":
-                    alive = self.sender.heartbeat(str(request.get("request_id")))
-                    send_message(conn, {"ok": alive, "reason": "unknown_request"})
-                elif request.get("op") == "fetch":
+                request = parse_request(recv_message(conn))
+                if isinstance(request, Heartbeat):
+                    alive = self.sender.heartbeat(request.request_id)
+                    _reply(conn, Reply(alive, FailureReason.UNKNOWN_REQUEST))
+                elif isinstance(request, Fetch):
                     self._serve_fetch(conn, group, request)
                 else:
-                    send_message(conn, {"ok": False, "reason": "internal"})
+                    _reply(conn, Reply(False, FailureReason.INTERNAL))
         finally:
             drop_group(group)
 
-    def _serve_fetch(self, conn: socket.socket, group, request: dict) -> None:
-        request_id = str(request.get("request_id"))
+    def _serve_fetch(self, conn: socket.socket, group, request: Fetch) -> None:
+        request_id = request.request_id
         record = self.sender.registry.begin_transfer(request_id)
         if record is None:
-            send_message(conn, {"ok": False, "reason": "unknown_request"})
+            _reply(conn, Reply(False, FailureReason.UNKNOWN_REQUEST))
             return
         shaper, piece_bytes = self._shaper(), self.piece_bytes
         block_nbytes = self.sender.pool.layout.block_nbytes
-        dst = list(request["dst_block_ids"])
+        dst = request.dst_block_ids
         src = requested_blocks(record.block_ids, len(dst))
         if src is None:
             self.sender.registry.end_transfer(request_id, 0, FailureReason.INTERNAL)
-            send_message(conn, {"ok": False, "reason": "internal"})
+            _reply(conn, Reply(False, FailureReason.INTERNAL))
             return
         pieces = plan_pieces(src, dst, block_nbytes, piece_bytes)
-        send_message(conn, {"ok": True, "piece_bytes": piece_bytes})
+        _reply(conn, Reply(True, piece_bytes=piece_bytes))
         failure = FailureReason.PEER_DIED
         try:
             with self.stream.active():
@@ -227,7 +228,7 @@ class CollectiveServer:
             self.sender.registry.end_transfer(request_id, total_bytes(pieces), failure)
         # Recorded before `done` leaves: the receiver may read the stats the moment it
         # has `done` (as in the gRPC server).
-        send_message(conn, {"done": True, "nbytes": total_bytes(pieces)})
+        send_message(conn, Done(total_bytes(pieces)).to_json())
 
     def _send_pieces(self, group, request_id: str, pieces: list[Piece], shaper: Shaper) -> None:
         flat = flat_bytes(self.sender.pool.kv)
@@ -253,6 +254,10 @@ class CollectiveServer:
 
     def close(self) -> None:
         self.control.close()
+
+
+def _reply(conn: socket.socket, reply: Reply) -> None:
+    send_message(conn, reply.to_json())
 
 
 def make_collective_sender(worker_id: str, pool: KVCachePool, options: TransportOptions):
@@ -292,22 +297,22 @@ class CollectiveReceiver(TransportReceiver):
         return existing
 
     def _build_pair(self, ticket: ExportTicket, deadline: float) -> _Pair:
-        info = ticket.sender_endpoint["collective"]
-        (host, port), (store_host, store_port) = info["control"], info["store"]
+        info = ticket.sender_endpoint.collective
+        (host, port), (store_host, store_port) = info.control, info.store
         timeout = remaining(deadline, ticket)
         try:
             conn = ControlConnection(host, port, self.options, timeout)
-            reply = conn.call({"op": "pair", "receiver": self.worker_id}, timeout)
+            reply = Reply.from_json(conn.call(Pair(self.worker_id).to_json(), timeout))
         except (ChannelClosed, OSError) as exc:
             raise fail(ticket, FailureReason.PEER_DIED, f"control unreachable: {exc}") from None
-        if not reply.get("ok"):
+        if not reply.ok:
             conn.close()
-            raise fail(ticket, FailureReason(reply.get("reason", "internal")), str(reply))
+            raise fail(ticket, reply.failure, str(reply.to_json()))
         try:
             store = dist.TCPStore(store_host, store_port, None, False, timedelta(seconds=timeout))
             group = make_pair_group(
                 store,
-                reply["prefix"],
+                reply.prefix,
                 RECEIVER_RANK,
                 self.options.dial_host,
                 self.pool.kv.device,
@@ -332,7 +337,7 @@ class CollectiveReceiver(TransportReceiver):
         deadline: float,
         verifier: BlockVerifier,
     ) -> str:
-        if ticket.sender_endpoint.get("collective") is None:
+        if ticket.sender_endpoint.collective is None:
             raise fail(ticket, FailureReason.INTERNAL, "sender does not serve collective")
         pair = self._pair(ticket, deadline)
         with pair.lock:
@@ -347,18 +352,19 @@ class CollectiveReceiver(TransportReceiver):
     def _transfer(
         self, pair: _Pair, ticket, dst_block_ids: list[int], deadline: float, verifier
     ) -> None:
-        request = {"op": "fetch", "request_id": ticket.request_id, "dst_block_ids": dst_block_ids}
-        piece_bytes = ticket.sender_endpoint["collective"]["piece_bytes"]
+        request = Fetch(ticket.request_id, dst_block_ids)
+        piece_bytes = ticket.sender_endpoint.collective.piece_bytes
         try:
             # Receives posted with the fetch: the first piece flies without waiting for
             # the reply's round trip (a third of a 1 MiB transfer here).
-            pair.conn.send(request)
+            pair.conn.send(request.to_json())
             works, pieces = self._post(pair, ticket, dst_block_ids, piece_bytes)
-            reply = pair.conn.recv(remaining(deadline, ticket))
-            if not reply.get("ok"):
-                raise fail(ticket, FailureReason(reply.get("reason", "internal")), str(reply))
-            if reply.get("piece_bytes") != piece_bytes:
-                raise fail(ticket, FailureReason.INTERNAL, f"piece size changed: {reply}")
+            reply = Reply.from_json(pair.conn.recv(remaining(deadline, ticket)))
+            if not reply.ok:
+                raise fail(ticket, reply.failure, str(reply.to_json()))
+            if reply.piece_bytes != piece_bytes:
+                changed = f"piece size changed: {reply.to_json()}"
+                raise fail(ticket, FailureReason.INTERNAL, changed)
             for piece, work in zip(pieces, works, strict=True):
                 work.wait(timedelta(seconds=remaining(deadline, ticket)))
                 verifier.landed(piece.offset + piece.nbytes)  # while the next piece flies
@@ -368,7 +374,7 @@ class CollectiveReceiver(TransportReceiver):
             raise
         except Exception as exc:
             raise self._classify(ticket, exc) from None
-        if not done.get("done"):
+        if Done.from_json(done) is None:
             raise fail(ticket, FailureReason.INTERNAL, f"unexpected reply {done}")
 
     def _post(self, pair: _Pair, ticket, dst_block_ids: list[int], piece_bytes: int):
@@ -382,9 +388,9 @@ class CollectiveReceiver(TransportReceiver):
 
     def _classify(self, ticket: ExportTicket, exc: Exception) -> KVTransferError:
         """Tell a dead sender from a dropped or timed-out transfer after a wait failed."""
-        host, port = ticket.sender_endpoint["collective"]["control"]
+        control = ticket.sender_endpoint.collective.control
         text = str(exc).lower()
-        if not responsive(host, port, self.options):
+        if not responsive(control.host, control.port, self.options):
             reason = FailureReason.PEER_DIED
         elif isinstance(exc, TimeoutError) or "timed out" in text or "timeout" in text:
             reason = FailureReason.TIMEOUT
@@ -399,13 +405,11 @@ class CollectiveReceiver(TransportReceiver):
             return False
         with pair.lock:
             try:
-                reply = pair.conn.call(
-                    {"op": "heartbeat", "request_id": ticket.request_id}, timeout_s
-                )
+                answer = pair.conn.call(Heartbeat(ticket.request_id).to_json(), timeout_s)
             except (ChannelClosed, OSError):
                 self._forget(ticket, pair)
                 return False
-        return bool(reply.get("ok"))
+        return Reply.from_json(answer).ok
 
     def close(self) -> None:
         with self._lock:

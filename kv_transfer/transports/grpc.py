@@ -28,6 +28,7 @@ from kv_transfer.base import ExportTicket, FailureReason
 from kv_transfer.blockio import PoolBytes, plan_pieces, requested_blocks, total_bytes
 from kv_transfer.config import TransportOptions
 from kv_transfer.control import token_matches
+from kv_transfer.endpoints import GrpcEndpoint
 from kv_transfer.faults import DropTransfer, FaultPlan
 from kv_transfer.integrity import BlockVerifier
 from kv_transfer.receiver import TransportReceiver, fail, remaining
@@ -223,8 +224,8 @@ class GrpcServer:
             raise OSError(f"could not bind the gRPC KV server on {options.bind_host}")
         self.server.start()
 
-    def endpoint(self) -> dict:
-        return {"grpc": {"address": f"{_host_for_address(self.host)}:{self.port}"}}
+    def endpoint(self) -> GrpcEndpoint:
+        return GrpcEndpoint(f"{_host_for_address(self.host)}:{self.port}")
 
     def close(self) -> None:
         self.server.stop(grace=None)
@@ -267,14 +268,14 @@ class GrpcReceiver(TransportReceiver):
         return pb_grpc.KVTransferStub(self._channel(ticket))
 
     def _channel(self, ticket: ExportTicket) -> grpc.Channel:
-        info = ticket.sender_endpoint.get("grpc")
+        info = ticket.sender_endpoint.grpc
         if info is None:
             raise fail(ticket, FailureReason.INTERNAL, "sender does not serve grpc")
         with self._lock:
-            channel = self._channels.get(info["address"])
+            channel = self._channels.get(info.address)
             if channel is None:
-                channel = self._open_channel(info["address"])
-                self._channels[info["address"]] = channel
+                channel = self._open_channel(info.address)
+                self._channels[info.address] = channel
         return channel
 
     def _open_channel(self, address: str) -> grpc.Channel:

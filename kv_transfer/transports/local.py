@@ -14,6 +14,7 @@ from engine.kv_cache import KVCachePool
 from kv_transfer.base import ExportTicket, FailureReason, KVTransferError
 from kv_transfer.blockio import copy_pieces, flat_bytes, plan_pieces, total_bytes
 from kv_transfer.config import TransportOptions
+from kv_transfer.endpoints import LocalEndpoint
 from kv_transfer.faults import DropTransfer, FaultPlan
 from kv_transfer.integrity import BlockVerifier
 from kv_transfer.receiver import TransportReceiver, fail, remaining
@@ -32,8 +33,8 @@ class LocalServer:
         with _LOCK:
             _SENDERS[sender.worker_id] = sender
 
-    def endpoint(self) -> dict:
-        return {"local": {"pid": os.getpid()}}
+    def endpoint(self) -> LocalEndpoint:
+        return LocalEndpoint(os.getpid())
 
     def close(self) -> None:
         with _LOCK:
@@ -50,8 +51,8 @@ class LocalReceiver(TransportReceiver):
         super().__init__("local", worker_id, pool, options)
 
     def _sender(self, ticket: ExportTicket) -> RegistrySender:
-        local = ticket.sender_endpoint.get("local")
-        if local is None or local["pid"] != os.getpid():
+        local = ticket.sender_endpoint.local
+        if local is None or local.pid != os.getpid():
             raise fail(ticket, FailureReason.INTERNAL, "sender is not in this process")
         with _LOCK:
             sender = _SENDERS.get(ticket.sender_id)

@@ -61,6 +61,8 @@ from kv_transfer.control import (
     responsive,
     send_message,
 )
+from kv_transfer.control_messages import Begin, Heartbeat, Reply, parse_request
+from kv_transfer.endpoints import HostPort, ShmEndpoint, ShmTable
 from kv_transfer.faults import DropTransfer, FaultPlan
 from kv_transfer.integrity import BlockVerifier
 from kv_transfer.receiver import TransportReceiver, fail, remaining
@@ -104,7 +106,7 @@ def remove_stale_files(shm_dir: str) -> None:
 
 
 def _sender_gone(ticket: ExportTicket) -> bool:
-    return _writer_gone(ticket.sender_endpoint["shm"]["path"])
+    return _writer_gone(ticket.sender_endpoint.shm.path)
 
 
 EXIT_GRACE_S = 1.0
@@ -171,30 +173,28 @@ class ShmServer:
         sender.registry.listen(self.table)
         self.control = ControlServer(options, self._handle, f"kv-shm-{sender.worker_id}")
 
-    def endpoint(self) -> dict:
+    def endpoint(self) -> ShmEndpoint:
         pool = self.sender.pool
         table = None
         if self.faults.mode not in SENDER_FAULTS:
-            table = {"path": self.table_path, "blocks": pool.num_blocks}
-        return {
-            "shm": {
-                "path": self.path,
-                "nbytes": pool.kv.numel() * pool.kv.element_size(),
-                "control": [self.sender.options.dial_host, self.control.port],
-                "table": table,
-            }
-        }
+            table = ShmTable(self.table_path, pool.num_blocks)
+        return ShmEndpoint(
+            path=self.path,
+            nbytes=pool.kv.numel() * pool.kv.element_size(),
+            control=HostPort(self.sender.options.dial_host, self.control.port),
+            table=table,
+        )
 
     def _handle(self, conn: socket.socket, message: dict) -> None:
         while True:
-            op, request_id = message.get("op"), str(message.get("request_id", ""))
-            if op == "begin":
-                self._begin(conn, request_id, int(message.get("nbytes", 0)))
-            elif op == "heartbeat":
-                alive = self.sender.heartbeat(request_id)
-                send_message(conn, {"ok": alive, "reason": "unknown_request"})
+            request = parse_request(message)
+            if isinstance(request, Begin):
+                self._begin(conn, request.request_id, request.nbytes)
+            elif isinstance(request, Heartbeat):
+                alive = self.sender.heartbeat(request.request_id)
+                _reply(conn, Reply(alive, FailureReason.UNKNOWN_REQUEST))
             else:
-                send_message(conn, {"ok": False, "reason": "internal", "message": f"op {op}"})
+                _reply(conn, Reply(False, FailureReason.INTERNAL, f"op {request.op}"))
             message = recv_message(conn)
 
     def _begin(self, conn: socket.socket, request_id: str, nbytes: int) -> None:
@@ -206,16 +206,20 @@ class ShmServer:
             raise ChannelClosed("dropped by fault injection") from None
         registry = self.sender.registry
         if registry.begin_transfer(request_id) is None:
-            send_message(conn, {"ok": False, "reason": "unknown_request"})
+            _reply(conn, Reply(False, FailureReason.UNKNOWN_REQUEST))
             return
         registry.end_transfer(request_id, nbytes)  # the receiver moves the bytes itself
-        send_message(conn, {"ok": True})
+        _reply(conn, Reply(True))
 
     def close(self) -> None:
         self.control.close()
         _unlink_quietly(self.table_path)  # the mapping stays valid until the process ends
         if self.owns_file and self.path:
             _unlink_quietly(self.path)
+
+
+def _reply(conn: socket.socket, reply: Reply) -> None:
+    send_message(conn, reply.to_json())
 
 
 def make_shm_sender(worker_id: str, pool: KVCachePool, options: TransportOptions):
@@ -250,8 +254,8 @@ class ShmReceiver(TransportReceiver):
         """The sender's pool bytes, mapped once per sender generation: a restarted sender
         has a new file, and the old mapping is dropped (it alone kept the dead pool's
         pages allocated in /dev/shm after the file was removed)."""
-        info = ticket.sender_endpoint["shm"]
-        path, nbytes = info["path"], int(info["nbytes"])
+        info = ticket.sender_endpoint.shm
+        path, nbytes = info.path, info.nbytes
         cached = self._maps.get(ticket.sender_id)
         if cached is not None and cached[0] == path:
             return cached[2]
@@ -273,8 +277,8 @@ class ShmReceiver(TransportReceiver):
 
     @staticmethod
     def _address(ticket: ExportTicket) -> tuple[str, int]:
-        host, port = ticket.sender_endpoint["shm"]["control"]
-        return host, int(port)
+        control = ticket.sender_endpoint.shm.control
+        return control.host, control.port
 
     def _checkout(self, ticket: ExportTicket, deadline: float) -> ControlConnection:
         """An idle connection to the ticket's sender, or a new one."""
@@ -294,23 +298,26 @@ class ShmReceiver(TransportReceiver):
         with self._idle_lock:
             self._idle.setdefault(self._address(ticket), []).append(conn)
 
-    def _send(self, conn: ControlConnection, ticket: ExportTicket, message: dict) -> None:
+    def _send(
+        self, conn: ControlConnection, ticket: ExportTicket, request: Begin | Heartbeat
+    ) -> None:
         try:
-            conn.send({**message, "request_id": ticket.request_id})
+            conn.send(request.to_json())
         except OSError as exc:
-            raise self._lost(ticket, message["op"], exc) from None
+            raise self._lost(ticket, request.op, exc) from None
 
-    def _reply(self, conn: ControlConnection, ticket: ExportTicket, deadline: float, op: str):
+    def _reply(
+        self, conn: ControlConnection, ticket: ExportTicket, deadline: float, op: str
+    ) -> Reply:
         """The reply to the oldest request sent on `conn`, failures mapped to reasons."""
         try:
-            reply = conn.recv(remaining(deadline, ticket))
+            reply = Reply.from_json(conn.recv(remaining(deadline, ticket)))
         except TimeoutError:
             raise fail(ticket, FailureReason.TIMEOUT, f"sender silent on {op}") from None
         except (ChannelClosed, OSError) as exc:
             raise self._lost(ticket, op, exc) from None
-        if not reply.get("ok"):
-            reason = FailureReason(reply.get("reason", "internal"))
-            raise fail(ticket, reason, f"sender refused {op}: {reply}")
+        if not reply.ok:
+            raise fail(ticket, reply.failure, f"sender refused {op}: {reply.to_json()}")
         return reply
 
     def _lost(self, ticket: ExportTicket, op: str, exc: Exception) -> KVTransferError:
@@ -322,10 +329,10 @@ class ShmReceiver(TransportReceiver):
         )
         return fail(ticket, reason, f"control channel lost on {op}: {exc}")
 
-    def _call(self, conn, ticket, deadline: float, message: dict) -> dict:
+    def _call(self, conn, ticket, deadline: float, request: Begin | Heartbeat) -> Reply:
         """One control round trip."""
-        self._send(conn, ticket, message)
-        return self._reply(conn, ticket, deadline, message["op"])
+        self._send(conn, ticket, request)
+        return self._reply(conn, ticket, deadline, request.op)
 
     def _pull(
         self,
@@ -334,7 +341,7 @@ class ShmReceiver(TransportReceiver):
         deadline: float,
         verifier: BlockVerifier,
     ) -> str:
-        if ticket.sender_endpoint.get("shm") is None:
+        if ticket.sender_endpoint.shm is None:
             raise fail(ticket, FailureReason.INTERNAL, "sender does not serve shm")
         src = self._mapped(ticket)
         try:
@@ -362,23 +369,23 @@ class ShmReceiver(TransportReceiver):
     def _table(self, ticket: ExportTicket) -> ExportTable | None:
         """The export table of the ticket's sender generation, once that sender has
         accepted us (`_open_table`); None before, and for senders that publish none."""
-        info = ticket.sender_endpoint["shm"].get("table")
+        info = ticket.sender_endpoint.shm.table
         cached = self._tables.get(ticket.sender_id)
-        if info is None or cached is None or cached[0] != info["path"]:
+        if info is None or cached is None or cached[0] != info.path:
             return None
         return cached[1]
 
     def _open_table(self, ticket: ExportTicket) -> None:
         """Map the sender's export table after a `begin` it answered (token checked), so
         that the next fetches from this sender generation read their lease there."""
-        info = ticket.sender_endpoint["shm"].get("table")
+        info = ticket.sender_endpoint.shm.table
         if info is None or self._table(ticket) is not None:
             return
-        table = ExportTable.open(info["path"], int(info["blocks"]), self.pool.layout.block_nbytes)
+        table = ExportTable.open(info.path, info.blocks, self.pool.layout.block_nbytes)
         if table is None:
             return
         # A restarted sender's predecessor is unmapped once no fetch still reads it.
-        self._tables[ticket.sender_id] = (info["path"], table)
+        self._tables[ticket.sender_id] = (info.path, table)
 
     def _pull_leased(self, ticket, table: ExportTable, src, dst_block_ids, deadline, verifier):
         """The copy with no control message: the export's tags in the sender's table say
@@ -395,7 +402,7 @@ class ShmReceiver(TransportReceiver):
             nonlocal conn
             if conn is None:
                 conn = self._checkout(ticket, deadline)
-            self._call(conn, ticket, deadline, {"op": "heartbeat"})
+            self._call(conn, ticket, deadline, Heartbeat(ticket.request_id))
 
         try:
             if left < ticket.lease_ttl_s / 3:
@@ -421,7 +428,7 @@ class ShmReceiver(TransportReceiver):
             # bytes land in our own blocks, and a refused begin still fails the fetch.
             # A new connection waits for it: nothing is read before the token is.
             nbytes = len(dst_block_ids) * self.pool.layout.block_nbytes
-            self._send(conn, ticket, {"op": "begin", "nbytes": nbytes})
+            self._send(conn, ticket, Begin(nbytes, ticket.request_id))
             begun = [False]
 
             def confirm_begin() -> None:
@@ -431,7 +438,7 @@ class ShmReceiver(TransportReceiver):
 
             def beat() -> None:
                 confirm_begin()  # the begin reply comes first on this connection
-                self._call(conn, ticket, deadline, {"op": "heartbeat"})
+                self._call(conn, ticket, deadline, Heartbeat(ticket.request_id))
 
             if not conn.accepted:
                 confirm_begin()
@@ -501,23 +508,23 @@ class ShmReceiver(TransportReceiver):
         except KVTransferError:
             return self._outlived(ticket)
         try:
-            reply = conn.call({"op": "heartbeat", "request_id": ticket.request_id}, timeout_s)
+            reply = Reply.from_json(conn.call(Heartbeat(ticket.request_id).to_json(), timeout_s))
         except (ChannelClosed, OSError):
             conn.close()
             return self._outlived(ticket)
-        if reply.get("reason") == "unauthorized":  # the sender closed this connection
+        if reply.reason == FailureReason.UNAUTHORIZED:  # the sender closed this connection
             conn.close()
             return False
         conn.accepted = True
         self._checkin(ticket, conn)
-        return bool(reply.get("ok"))
+        return reply.ok
 
     def _outlived(self, ticket: ExportTicket) -> bool:
         """A dead sender's export is still there when we hold a mapping of its pool file
         (the file may be gone: the mapping keeps the pages), so an import waiting for
         blocks need not give up on it; a later fetch copies it and verifies."""
         cached = self._maps.get(ticket.sender_id)
-        path = ticket.sender_endpoint["shm"]["path"]
+        path = ticket.sender_endpoint.shm.path
         return cached is not None and cached[0] == path and _sender_gone(ticket)
 
     def close(self) -> None:
