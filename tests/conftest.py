@@ -15,6 +15,25 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, object]:
     }
 
 
+class _LazyModelDirs(dict):
+    """Family -> tiny model directory, each written on first use (a session that tests
+    one family does not pay for the others)."""
+
+    def __init__(self, root):
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, family: str):
+        self[family] = make_tiny_model(self.root / family, family)
+        return self[family]
+
+
+@pytest.fixture(scope="session")
+def family_model_dirs(tmp_path_factory) -> dict[str, object]:
+    """Tiny models of `tests.factories.NEW_FAMILIES`, written when first asked for."""
+    return _LazyModelDirs(tmp_path_factory.mktemp("family-models"))
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tiny_model_dirs):
     return tiny_model_dirs["llama"]
