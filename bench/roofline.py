@@ -39,7 +39,7 @@ from bench.hardware import HARDWARE_NAMES, HardwareProfile, hardware_profile
 from bench.kv_calc import kv_bytes_per_token
 from bench.model_shape import (
     DTYPE_BYTES,
-    layer_linear_params,
+    active_linear_params,
     lm_head_params,
     load_shape,
     streamed_weight_params,
@@ -108,12 +108,12 @@ def step_roofline(
     sampled_rows = batch  # one logits row per sequence: every decode row, each prompt's last
     tokens = batch * new_tokens
     flops = (
-        2 * model.num_layers * layer_linear_params(model) * tokens
+        2 * active_linear_params(model) * tokens
         + 2 * lm_head_params(model) * sampled_rows
         + batch * attention_flops(model, cached, new_tokens)
     )
     kv_token = kv_bytes_per_token(model, kv_dtype or dtype)
-    weight_bytes = streamed_weight_params(model) * DTYPE_BYTES[dtype]
+    weight_bytes = streamed_weight_params(model, tokens) * DTYPE_BYTES[dtype]
     kv_read, kv_write = batch * cached * kv_token, tokens * kv_token
     bytes_moved = weight_bytes + kv_read + kv_write
     compute_s = flops / hardware.flops(dtype)

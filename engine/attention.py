@@ -83,9 +83,7 @@ class TorchPagedAttention(AttentionBackend):
 
     name = "torch"
 
-    def forward(
-        self, q, k, v, kv_pool, layer: int, meta, scale: float, window=None, softcap=None
-    ):
+    def forward(self, q, k, v, kv_pool, layer: int, meta, scale: float, window=None, softcap=None):
         if window is not None or softcap is not None:
             from engine.masked_attention import masked_attention
 

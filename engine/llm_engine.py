@@ -463,7 +463,9 @@ class LLMEngine:
             chunk.seq.num_computed_tokens += chunk.num_new_tokens
             self._publish(chunk.seq)  # before sampling, which may free the blocks
             if self.kv_window is not None and not chunk.seq.stop_after_prefill:
-                free_out_of_window(chunk.seq, self.kv_window, self.config.block_size, self.allocator)
+                free_out_of_window(
+                    chunk.seq, self.kv_window, self.config.block_size, self.allocator
+                )
         for seq, first_position, logits in result.prompt_logits:
             seq.prompt_logprobs.add(logits, first_position, seq.prompt_token_ids)
         seqs = result.sampling_seqs

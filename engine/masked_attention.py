@@ -30,7 +30,9 @@ def masked_attention(q, k, v, kv_pool, layer: int, meta, scale: float, window, s
         out[:decode_count] = _decode(q[:decode_count], kv_pool, layer, meta, scale, window, softcap)
     for chunk in meta.prefill_chunks:
         rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-        attended = _prefill(q[rows], k[rows], v[rows], kv_pool, layer, chunk, scale, window, softcap)
+        attended = _prefill(
+            q[rows], k[rows], v[rows], kv_pool, layer, chunk, scale, window, softcap
+        )
         out[rows] = attended.reshape(chunk.query_len, num_heads * head_dim)
     return out
 

@@ -120,7 +120,9 @@ class LlamaForward:
     def _rotary_tables(self, max_positions: int) -> list[RotaryEmbedding]:
         spec = self.spec
         if not spec.layer_rope_types:
-            table = RotaryEmbedding(spec.hf_config, max_positions, self.activation_dtype, self.device)
+            table = RotaryEmbedding(
+                spec.hf_config, max_positions, self.activation_dtype, self.device
+            )
             return [table] * spec.num_layers
         tables = {
             kind: RotaryEmbedding(

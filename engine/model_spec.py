@@ -192,7 +192,9 @@ def refuse_unserved(fields: dict) -> None:
         )
     quantization = fields.get("quantization_config")
     if quantization:
-        method = quantization.get("quant_method", "unknown") if isinstance(quantization, dict) else "?"
+        method = (
+            quantization.get("quant_method", "unknown") if isinstance(quantization, dict) else "?"
+        )
         raise ModelLoadError(
             f"the checkpoint is quantized (quantization_config.quant_method={method!r}); the "
             "engine implements no quantized weights: loaded as plain tensors they would be "

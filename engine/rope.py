@@ -62,15 +62,17 @@ class RotaryEmbedding:
     def _longrope_tables(self, config, positions, layer_type):
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        original = _params(config, layer_type).get("original_max_position_embeddings") or getattr(
-            config, "original_max_position_embeddings"
-        )
+        params = _params(config, layer_type)
+        original = params.get("original_max_position_embeddings")
+        original = original or config.original_max_position_embeddings
         kwargs = {} if layer_type is None else {"layer_type": layer_type}
         init = ROPE_INIT_FUNCTIONS["longrope"]
         short = _tables(positions, *init(config, "cpu", **kwargs))
         long = _tables(positions, *init(config, "cpu", seq_len=original + 1, **kwargs))
         from_original = positions[:, None] >= original
-        first_half = [torch.where(from_original, lg, sh) for sh, lg in zip(short, long, strict=True)]
+        first_half = [
+            torch.where(from_original, lg, sh) for sh, lg in zip(short, long, strict=True)
+        ]
         self.long_prompt_from = int(original)
         return tuple(torch.cat([a, b]) for a, b in zip(first_half, long, strict=True))
 
@@ -100,7 +102,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
-def _inv_freq(config: PretrainedConfig, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+def _inv_freq(
+    config: PretrainedConfig, layer_type: str | None = None
+) -> tuple[torch.Tensor, float]:
     rope_type = _rope_type(config, layer_type)
     if rope_type == "default":
         return _default_inv_freq(config, layer_type)

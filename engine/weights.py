@@ -225,7 +225,8 @@ def _load_layer(take: _Taker, index: int, spec: ModelSpec) -> LayerWeights:
         qkv=qkv,
         o_proj=Linear(take(attn + "o_proj.weight"), o_bias),
         post_norm=take.norm(
-            prefix + ("pre_feedforward_layernorm" if spec.gemma_norms else "post_attention_layernorm")
+            prefix
+            + ("pre_feedforward_layernorm" if spec.gemma_norms else "post_attention_layernorm")
             + ".weight"
         ),
     )

@@ -153,7 +153,7 @@ def _digit_merging_tokenizer(eos: str):
     rust.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=420,
-        special_tokens=[eos],
+        special_tokens=[eos, "<unk>", "<pad>", "<bos>"],  # what GemmaTokenizer looks up
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -185,6 +185,12 @@ HUB_TOKENIZER_CLASS = {
     "llama": "PreTrainedTokenizerFast",
     "mistral": "LlamaTokenizer",
     "qwen2": "Qwen2Tokenizer",
+    "qwen3": "Qwen2Tokenizer",
+    "qwen3_moe": "Qwen2Tokenizer",
+    "gemma2": "GemmaTokenizer",
+    "gemma3": "GemmaTokenizer",
+    "phi3": "LlamaTokenizer",
+    "mixtral": "LlamaTokenizer",
 }
 """What each family's published checkpoints name in tokenizer_config.json."""
 
