@@ -67,7 +67,8 @@ class DecodeGraphs:
     def covers(self, step) -> bool:
         tables = step.meta.decode_block_tables
         return (
-            step.decode_only
+            self.model.graph_safe
+            and step.decode_only
             and bucket_for(step.input_ids.shape[0], BATCH_BUCKETS) is not None
             and bucket_for(tables.shape[1], self.widths) is not None
         )

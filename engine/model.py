@@ -95,6 +95,10 @@ class LlamaForward:
         self.windows = spec.windows_within(max_positions)
         """Per layer: its sliding window, None where it attends to everything."""
         self.attention_options = [self._attention_options(w) for w in self.windows]
+        self.unwindowed_options = [self._attention_options(None) for _ in self.windows]
+        """The same for a step whose sequences all fit the narrowest window, where a
+        window changes nothing (`_windows_apply`)."""
+        self.min_window = min((w for w in self.windows if w is not None), default=None)
         if not isinstance(attention, AttentionBackend):
             kernel_kind = "torch" if self.ops.name == "torch" else "auto"
             attention = make_attention_backend(
@@ -165,7 +169,9 @@ class LlamaForward:
 
     def _plain_llama(self) -> bool:
         """Whether the fused native decode step computes this model: Llama's layer with
-        nothing added (it knows q/k/v and o biases and any single rotary table)."""
+        nothing added (it knows q/k/v and o biases and any single rotary table). A
+        sliding window does not stop it: steps whose sequences all fit the window are
+        exact on it, and `decode` declines the others."""
         spec = self.spec
         return not (
             spec.qk_norm
@@ -175,8 +181,20 @@ class LlamaForward:
             or spec.attn_softcap is not None
             or spec.final_softcap is not None
             or spec.layer_rope_types
-            or any(w is not None for w in self.windows)
         )
+
+    @property
+    def graph_safe(self) -> bool:
+        """Whether a decode step can be captured in a CUDA graph: not with a sliding
+        window or experts, whose steps read sizes back to the host (window starts,
+        tokens per expert)."""
+        return self.min_window is None and self.spec.experts is None
+
+    def _windows_apply(self, longest_context: int) -> bool:
+        """Whether some layer's window hides a key from some query of a step whose
+        longest sequence has `longest_context` tokens: the last query, at position
+        longest - 1, sees (longest - 1 - window, ...], all of it while longest <= window."""
+        return self.min_window is not None and longest_context > self.min_window
 
     def rope_offset(self, prompt_len: int) -> int:
         """Added to a sequence's positions for its rotary rows (LongRoPE's long prompts:
@@ -226,7 +244,7 @@ class LlamaForward:
         """A decode-only step on the fused native kernel, from plain ints: the engine's
         path for such steps (`ModelRunner.run`), on the thread count `forward` would pick.
         None where there is no fused kernel (`fused_decode`) or it declines the shapes."""
-        if self.fused_decode is None:
+        if self.fused_decode is None or self._windows_apply(max(rows.context_lens)):
             return None
         key = (True, len(rows.tokens).bit_length())
         threads = self._pick_threads(key, torch.get_num_threads())
@@ -243,7 +261,9 @@ class LlamaForward:
 
     def _step(self, input_ids, positions, meta, kv_pool, logits_rows) -> torch.Tensor:
         every_row_samples = logits_rows.shape[0] == input_ids.shape[0]
-        if self.fused_decode is not None and not meta.prefill_chunks and every_row_samples:
+        windowed = self.min_window is not None and self._windows_apply(_longest(meta))
+        fused = self.fused_decode is not None and not windowed
+        if fused and not meta.prefill_chunks and every_row_samples:
             rows = DecodeRows.of_step(input_ids, positions, meta)
             step = self.fused_decode.run(rows, kv_pool, torch.get_num_threads())
             if step is not None:
@@ -252,8 +272,9 @@ class LlamaForward:
         hidden = self.ops.embed(input_ids, self.weights.embed)
         if self.embed_scale is not None:
             hidden *= self.embed_scale
+        options = self.attention_options if windowed else self.unwindowed_options
         for index, layer in enumerate(self.weights.layers):
-            self._layer(index, layer, hidden, positions, meta, kv_pool)
+            self._layer(index, layer, hidden, positions, meta, kv_pool, options[index])
         hidden = hidden.index_select(0, logits_rows)
         logits = self.ops.norm_linear(hidden, self.weights.final_norm, self.weights.lm_head)
         logits = logits.float()
@@ -262,15 +283,17 @@ class LlamaForward:
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def _layer(self, index: int, layer: LayerWeights, hidden, positions, meta, kv_pool) -> None:
-        """One decoder layer; updates the float32 residual `hidden` in place."""
+    def _layer(
+        self, index: int, layer: LayerWeights, hidden, positions, meta, kv_pool, options: dict
+    ) -> None:
+        """One decoder layer; updates the float32 residual `hidden` in place. `options`:
+        the keywords of its attention call (window, softcap)."""
         ops = self.ops
         qkv = ops.norm_linear(hidden, layer.input_norm, layer.qkv)
         if layer.q_norm is not None:
             self._norm_heads(qkv, layer)
         rope = self.ropes[index]
         q, k, v = ops.rope_store(qkv, positions, rope, kv_pool, index, meta, self.heads)
-        options = self.attention_options[index]
         attn = self.attention.forward(q, k, v, kv_pool, index, meta, self.scale, **options)
         if layer.attn_out_norm is None:
             ops.linear_add(attn, layer.o_proj, hidden)
@@ -309,3 +332,13 @@ class LlamaForward:
         if layer.mlp_out_norm is not None:
             out = rms_norm(out, layer.mlp_out_norm, self._eps)
         hidden += out
+
+
+def _longest(meta: AttentionMetadata) -> int:
+    """Tokens of the longest sequence in a step, its new ones included."""
+    longest = 0
+    if meta.num_decode_tokens:
+        longest = int(meta.decode_context_lens.max())
+    for chunk in meta.prefill_chunks:
+        longest = max(longest, chunk.context_start + chunk.query_len)
+    return longest

@@ -32,10 +32,11 @@ SHAPES = {
     "phi3": dict(qk_norm=False, windows=(None,) * 4, experts=None, fused=True),
     "mixtral": dict(qk_norm=False, windows=(24,) * 4, experts=(4, 2), fused=False),
     "qwen3_moe": dict(qk_norm=True, windows=(None,) * 4, experts=(6, 2), fused=False),
-    "mistral_window": dict(qk_norm=False, windows=(24,) * 4, experts=None, fused=False),
+    "mistral_window": dict(qk_norm=False, windows=(24,) * 4, experts=None, fused=True),
 }
 """What each tiny model must come out as: the spec read from its config, and whether
-the fused native decode step covers it (only a plain Llama-shaped layer)."""
+the fused native decode step covers it (a plain Llama-shaped layer; a windowed one while
+its sequences fit the window)."""
 
 
 @pytest.mark.parametrize("family", NEW_FAMILIES)
