@@ -212,7 +212,8 @@ def spec_from_hf_config(config: Any, model_id: str) -> ModelSpec:
     architectures = getattr(config, "architectures", None) or []
     arch = architecture_of(architectures, getattr(config, "model_type", None))
     if arch is None:
-        refuse_unserved({"architectures": architectures, "model_type": config.model_type})
+        model_type = getattr(config, "model_type", None)
+        refuse_unserved({"architectures": architectures, "model_type": model_type})
     _refuse_variants(config, arch)
     num_heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
