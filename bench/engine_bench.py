@@ -296,7 +296,7 @@ def _new_result(engine: LLMEngine, args, load_before: float) -> EngineBenchResul
         repeats=args.repeats,
         cpu=cpu_model(),
         read_bandwidth_gbps=0.0,
-        weight_bytes=streamed_weight_params(engine.spec) * DTYPE_BYTES[dtype],
+        weight_bytes=streamed_weight_params(engine.spec, tokens=1) * DTYPE_BYTES[dtype],
         weight_roofline_ms=0.0,
         load_before=load_before,
     )

@@ -4,8 +4,14 @@ The arithmetic, per device under tensor parallelism (KV heads are split across r
 with fewer KV heads than ranks each rank keeps one):
 
     KV bytes per token   = 2 (K and V) x layers x KV heads per rank x head_dim x dtype bytes
+                           (multi-head latent attention: layers x latent x dtype bytes,
+                           the latent kv_lora_rank + qk_rope_head_dim, on every rank)
     KV bytes per block   = per token x block size
-    KV bytes per request = blocks needed for `context` tokens (rounded up) x per block
+    KV bytes per request = blocks held for `context` tokens x per block: all of them
+                           (rounded up), or, when every layer slides, the most a
+                           sequence holds at once, since blocks behind every layer's
+                           window are freed (a block holds all layers, so one global
+                           layer, as in Gemma, keeps every block)
     KV budget            = device memory x utilization - weights per rank
     fit                  = whole blocks in the budget -> tokens, and requests of `context`
 
@@ -22,7 +28,7 @@ import math
 import re
 from dataclasses import asdict, dataclass
 
-from bench.model_shape import DTYPE_BYTES, load_shape, total_params
+from bench.model_shape import DTYPE_BYTES, all_layers_slide, load_shape, total_params
 
 CAPACITY_NOTE = (
     "This predicts memory capacity, not speed: tokens per second depend on compute shape, "
@@ -47,8 +53,27 @@ def kv_heads_per_rank(model, tp: int) -> int:
 
 
 def kv_bytes_per_token(model, dtype: str, tp: int = 1) -> int:
-    """K and V of one token across all layers, on one tensor-parallel rank."""
+    """K and V of one token across all layers, on one tensor-parallel rank (or the
+    latent of multi-head latent attention, which every rank holds whole)."""
+    latent = getattr(model, "kv_latent_dim", 0)
+    if latent:
+        return model.num_layers * latent * DTYPE_BYTES[dtype]
     return 2 * model.num_layers * kv_heads_per_rank(model, tp) * model.head_dim * DTYPE_BYTES[dtype]
+
+
+def blocks_held_per_request(model, context: int, block_size: int) -> int:
+    """The most blocks one sequence of `context` tokens holds at once, as the engine
+    frees them (engine/sliding_window.py): all of them unless every layer slides."""
+    window = all_layers_slide(model)
+    if window is None:
+        return math.ceil(context / block_size)
+
+    def held(tokens: int) -> int:
+        dead = max(0, tokens - window + 1) // block_size
+        return math.ceil(tokens / block_size) - dead
+
+    # Past the window the count repeats every block; scanning one block past it covers all.
+    return max(held(n) for n in range(1, min(context, window + block_size) + 1))
 
 
 @dataclass(frozen=True)
@@ -65,6 +90,9 @@ class KvCapacity:
     kv_bytes_per_block: int
     blocks_per_request: int
     kv_bytes_per_request: int
+    sliding_window: int | None
+    """The window every layer slides by, which caps the blocks a request holds; None
+    when some layer attends to everything."""
     weight_params: int
     weight_bytes_per_rank: int
     kv_budget_bytes: int
@@ -84,19 +112,19 @@ def kv_capacity(
     tp: int = 1,
     context: int = 4096,
 ) -> KvCapacity:
-    """The whole calculation; `model` is the engine's `ModelSpec` (`load_shape`)."""
+    """The whole calculation; `model` is a ModelShape (or the engine's ModelSpec)."""
     kv_dtype = kv_dtype or dtype
     if block_size <= 0 or tp <= 0 or context <= 0 or not 0 < memory_utilization <= 1:
         raise ValueError("block size, tp and context must be positive; utilization in (0, 1]")
     per_token = kv_bytes_per_token(model, kv_dtype, tp)
     per_block = per_token * block_size
-    blocks_per_request = math.ceil(context / block_size)
+    blocks_per_request = blocks_held_per_request(model, context, block_size)
     params = total_params(model)
     weights = math.ceil(params * DTYPE_BYTES[dtype] / tp)
     budget = max(0, int(device_memory * memory_utilization) - weights)
     blocks = budget // per_block
     return KvCapacity(
-        model=model.model_id,
+        model=model.name,
         dtype=dtype,
         kv_dtype=kv_dtype,
         tp=tp,
@@ -108,6 +136,7 @@ def kv_capacity(
         kv_bytes_per_block=per_block,
         blocks_per_request=blocks_per_request,
         kv_bytes_per_request=blocks_per_request * per_block,
+        sliding_window=all_layers_slide(model),
         weight_params=params,
         weight_bytes_per_rank=weights,
         kv_budget_bytes=budget,
@@ -132,7 +161,8 @@ def format_capacity(c: KvCapacity) -> str:
         ("KV per block", f"{c.kv_bytes_per_block:,} bytes ({c.block_size} tokens)"),
         (
             f"KV per request of {c.context:,} tokens",
-            f"{human_bytes(c.kv_bytes_per_request)} ({c.blocks_per_request} blocks)",
+            f"{human_bytes(c.kv_bytes_per_request)} ({c.blocks_per_request} blocks"
+            + (f", window {c.sliding_window:,})" if c.sliding_window else ")"),
         ),
         (
             "weights per rank",

@@ -17,15 +17,16 @@ Public API (also used by `pdserve bench engine` to put its measured step times n
 this bound on the same machine):
 
     from bench.roofline import hardware_profile, decode_step, prefill_step, roofline
-    from bench.model_shape import load_shape          # the engine's ModelSpec of a model
+    from bench.model_shape import load_shape          # or pass the engine's ModelSpec
 
     hw = hardware_profile("cpu", dtypes=("float32",))   # measured now; or "h100", ...
     step = decode_step(model, hw, batch=16, context=288, dtype="float32")
     step.lower_bound_s, step.bound, step.intensity, step.ridge   # StepRoofline fields
     roofline(model, hw, batch=1, context=256, prompt=256, dtype="bfloat16")  # both phases
 
-`model` is the engine's `ModelSpec`, or anything with its shape fields (num_layers,
-hidden_size, intermediate_size, num_heads, num_kv_heads, head_dim, vocab_size).
+`model` is anything with ModelShape's fields (num_layers, hidden_size,
+intermediate_size, num_heads, num_kv_heads, head_dim, vocab_size); the engine's
+`ModelSpec` has them.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from bench.hardware import HARDWARE_NAMES, HardwareProfile, hardware_profile
 from bench.kv_calc import kv_bytes_per_token
 from bench.model_shape import (
     DTYPE_BYTES,
-    layer_linear_params,
+    active_linear_params,
     lm_head_params,
     load_shape,
     streamed_weight_params,
@@ -107,12 +108,12 @@ def step_roofline(
     sampled_rows = batch  # one logits row per sequence: every decode row, each prompt's last
     tokens = batch * new_tokens
     flops = (
-        2 * model.num_layers * layer_linear_params(model) * tokens
+        2 * active_linear_params(model) * tokens
         + 2 * lm_head_params(model) * sampled_rows
         + batch * attention_flops(model, cached, new_tokens)
     )
     kv_token = kv_bytes_per_token(model, kv_dtype or dtype)
-    weight_bytes = streamed_weight_params(model) * DTYPE_BYTES[dtype]
+    weight_bytes = streamed_weight_params(model, tokens) * DTYPE_BYTES[dtype]
     kv_read, kv_write = batch * cached * kv_token, tokens * kv_token
     bytes_moved = weight_bytes + kv_read + kv_write
     compute_s = flops / hardware.flops(dtype)
@@ -225,11 +226,11 @@ def _run(args: argparse.Namespace) -> int:
     steps = roofline(model, hardware, args.batch, args.context, args.prompt, dtype)
     if args.json:
         report = {
-            "model": model.model_id,
+            "model": model.name,
             "hardware": asdict(hardware),
             **{phase: {**asdict(s), "tokens_per_s": s.tokens_per_s} for phase, s in steps.items()},
         }
         print(json.dumps(report, indent=2))
     else:
-        print(format_roofline(model.model_id, hardware, steps))
+        print(format_roofline(model.name, hardware, steps))
     return 0

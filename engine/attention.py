@@ -121,10 +121,11 @@ class AttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ):
-        """q [T, Hq, D]; k, v [T, Hkv, D] of the new tokens. Returns [T, Hq * D]. `window`:
-        None is full causal attention; else the query at position p sees the keys at
-        positions in (p - window, p] (sliding-window layers)."""
+        """q [T, Hq, D]; k, v [T, Hkv, D] of the new tokens. Returns [T, Hq * D].
+        `window`: None for full attention, else a query at position p sees keys at
+        positions in (p - window, p]. `softcap`: scores become cap * tanh(score / cap)."""
         raise NotImplementedError
 
 
@@ -135,7 +136,13 @@ class TorchPagedAttention(AttentionBackend):
 
     name = "torch"
 
-    def forward(self, q, k, v, kv_pool, layer, meta, scale, window: int | None = None):
+    def forward(
+        self, q, k, v, kv_pool, layer, meta, scale, window: int | None = None, softcap=None
+    ):
+        if softcap is not None:
+            from engine.masked_attention import masked_attention
+
+            return masked_attention(q, k, v, kv_pool, layer, meta, scale, window, softcap)
         num_tokens, num_heads, head_dim = q.shape
         out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
         decode_count = meta.num_decode_tokens

@@ -22,6 +22,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from engine.envs import tokenizer_cache_dir
 
 _TOKENIZER_FILES = (
+    "config.json",
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
@@ -30,7 +31,8 @@ _TOKENIZER_FILES = (
     "vocab.json",
     "merges.txt",
 )
-"""Every file transformers may build a tokenizer from; all of them go into the key."""
+"""Every file transformers may build a tokenizer from, all of them in the key; config.json
+too, since its model_type picks AutoTokenizer's class."""
 
 
 @dataclass(frozen=True)

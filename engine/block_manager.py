@@ -18,6 +18,16 @@ from collections import deque
 from engine.errors import OutOfBlocksError
 from engine.prefix_cache import PrefixCache
 
+FREED_BLOCK = -1
+"""Placeholder for a leading block a sequence gave back because no layer's sliding
+window reaches it any more (`engine.sliding_window`): it keeps its place in the block
+table, so that position p still lives in `block_ids[p // block_size]`."""
+
+
+def held_blocks(block_ids: list[int]) -> list[int]:
+    """The blocks of a table the sequence still holds (placeholders left out)."""
+    return [b for b in block_ids if b != FREED_BLOCK]
+
 
 class BlockAllocator:
     """Hands out block ids of one `KVCachePool`; every id is either free or referenced.

@@ -115,7 +115,7 @@ class DecodeGraphs:
         )
 
     def covers(self, step) -> bool:
-        return step.decode_only and self._key(step) in self.steps
+        return self.model.graph_safe and step.decode_only and self._key(step) in self.steps
 
     def run(self, step) -> torch.Tensor:
         """Logits [num_rows, vocab] of a decode-only step that `covers` accepted."""

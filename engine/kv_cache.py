@@ -29,7 +29,9 @@ from engine.model_spec import ModelSpec
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Everything a peer must agree on before it can accept our blocks."""
+    """Everything a peer must agree on before it can accept our blocks: the bytes'
+    shape, and what they mean (the architecture, and which layers' keys were computed
+    under a sliding window: the same shapes of another architecture are other KV)."""
 
     model_id: str
     dtype: str
@@ -37,6 +39,12 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     block_size: int
+    architecture: str = ""
+    """transformers' class of the model, e.g. Gemma2ForCausalLM."""
+    sliding_window: int = 0
+    """The widest sliding window of any layer (0: none)."""
+    sliding_layers: str = ""
+    """Comma-separated indices of the layers that slide (plain text: tickets are JSON)."""
 
     # Cached: a KV receiver reads these on every fetch (a frozen dataclass still has a
     # __dict__ for cached_property to fill).
@@ -66,6 +74,9 @@ class KVLayout:
             num_kv_heads=spec.num_kv_heads,
             head_dim=spec.head_dim,
             block_size=block_size,
+            architecture=spec.architecture,
+            sliding_window=spec.sliding_window or 0,
+            sliding_layers=",".join(map(str, spec.sliding_layers())),
         )
 
 

@@ -28,7 +28,10 @@ __all__ = [
     "Linear",
     "TorchOps",
     "activation_dtype",
+    "glu",
     "make_layer_ops",
+    "project",
+    "rms_norm",
 ]
 RESIDUAL_DTYPE = torch.float32
 
@@ -98,7 +101,10 @@ class TorchOps:
         return F.rms_norm(residual, shape, None, self.eps).to(weight.dtype) * weight
 
     def norm_linear(self, residual, norm_weight, projection: Linear) -> torch.Tensor:
-        return linear(self.norm(residual, norm_weight), projection.weight, projection.bias)
+        normed = self.norm(residual, norm_weight)
+        if normed.dtype != projection.weight.dtype:  # a float32 norm weight (Gemma's)
+            normed = normed.to(projection.weight.dtype)
+        return linear(normed, projection.weight, projection.bias)
 
     def linear_add(self, x, projection: Linear, residual: torch.Tensor) -> None:
         residual += linear(x, projection.weight, projection.bias)
@@ -121,6 +127,40 @@ class TorchOps:
 
 def _write_slots(kv_pool, layer: int, meta, k, v) -> None:
     kv_pool.write_slots(layer, meta.slot_blocks, meta.slot_offsets, k, v)
+
+
+def project(ops, x: torch.Tensor, projection) -> torch.Tensor:
+    """x @ W^T (+ b) on either op set: the projections a layer needs outside the grouped
+    ops (MoE router and experts, Gemma's normed outputs). The native set has no plain
+    projection, so it accumulates into zeros."""
+    if ops.name == "torch":
+        if x.dtype != projection.weight.dtype:  # float32 norm output into bf16 weights
+            x = x.to(projection.weight.dtype)
+        return linear(x, projection.weight, projection.bias)
+    out = torch.zeros(x.shape[0], projection.out_features, dtype=RESIDUAL_DTYPE)
+    ops.linear_add(x.contiguous(), projection, out)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32, returned in `x`'s dtype: a float32 weight (Gemma's
+    1 + w) scales in float32 as Gemma does; another scales in its own dtype as Llama's."""
+    normed = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
+    if weight.dtype == torch.float32:
+        return (normed * weight).to(x.dtype)
+    return (normed.to(weight.dtype) * weight).to(x.dtype)
+
+
+GLU_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_tanh": lambda gate: F.gelu(gate, approximate="tanh"),
+}
+
+
+def glu(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) * up of a stacked [gate | up] row."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return GLU_ACTIVATIONS[activation](gate) * up
 
 
 def make_layer_ops(choice: KernelChoice, dtype: torch.dtype, device: str, eps: float):

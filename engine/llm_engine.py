@@ -55,6 +55,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceOutput, SequenceStatus
 from engine.shaping_state import TokenCounts
+from engine.sliding_window import free_out_of_window
 from engine.structured import GrammarCompiler
 from engine.threads import single_threaded
 from engine.tokenizer import Tokenizer
@@ -122,6 +123,9 @@ class LLMEngine:
         )
         baseline = DeviceSnapshot.take(config.device) if config.sizes_kv_from_device else None
         self.model = self._load_model(config.kernels, config.attention_backend)
+        self.kv_window = self.spec.kv_window(self.max_model_len)
+        """Every layer's sliding window when all of them slide: KV blocks behind it are
+        freed as sequences advance (engine/sliding_window.py); None otherwise."""
         self.layout = KVLayout.for_model(self.spec, self.model.kv_dtype, config.block_size)
         self.kv_sizing: KVSizing | None = self._size_pool(baseline) if baseline else None
         """How the pool was sized from the device (None: the config fixed its blocks)."""
@@ -366,7 +370,7 @@ class LLMEngine:
             return
         root = salted_root(cache.seed, seq.params.cache_salt)
         hashes = extend_hashes(seq.block_hashes, seq.token_slice, root, size, full)
-        for index in range(seq.num_published, full):
+        for index in range(max(seq.num_published, seq.num_freed_blocks), full):
             parent = hashes[index - 1] if index else root
             tokens = tuple(seq.token_slice(index * size, (index + 1) * size))
             cache.publish(seq.block_ids[index], hashes[index], parent, tokens)
@@ -500,6 +504,10 @@ class LLMEngine:
         for chunk in chunks:
             chunk.seq.num_computed_tokens += chunk.num_new_tokens
             self._publish(chunk.seq)  # before sampling, which may free the blocks
+            if self.kv_window is not None and not chunk.seq.stop_after_prefill:
+                free_out_of_window(
+                    chunk.seq, self.kv_window, self.config.block_size, self.allocator
+                )
         for seq, first_position, logits in result.prompt_logits:
             seq.prompt_logprobs.add(logits, first_position, seq.prompt_token_ids)
         seqs = result.sampling_seqs

@@ -123,7 +123,8 @@ class ModelRunner:
             end = start + chunk.num_new_tokens
             tokens += seq.token_slice(start, end)
             span = range(start, end)
-            positions += span
+            offset = self.model.rope_offset(seq.num_prompt_tokens)
+            positions += span if not offset else range(start + offset, end + offset)
             slot_blocks += [seq.block_ids[p // block_size] for p in span]
             slot_offsets += [p % block_size for p in span]
             if end == seq.num_tokens:
@@ -164,7 +165,7 @@ class ModelRunner:
             if seq.prompt_logprobs is not None:
                 return None
             tokens += seq.token_slice(position, position + 1)
-            positions.append(position)
+            positions.append(position + self.model.rope_offset(seq.num_prompt_tokens))
             blocks.append(seq.block_ids[position // block_size])
             offsets.append(position % block_size)
         tables, lens = self._padded_tables(chunks)
@@ -196,7 +197,7 @@ class ModelRunner:
                     query_start=row,
                     query_len=chunk.num_new_tokens,
                     context_start=seq.num_computed_tokens,
-                    block_table=self._tensor(seq.block_ids[:num_blocks]),
+                    block_table=self._tensor(_padded(seq.block_ids, num_blocks)),
                 )
             )
             row += chunk.num_new_tokens
@@ -204,6 +205,10 @@ class ModelRunner:
 
 
 def _padded(block_ids: list[int], width: int) -> list[int]:
-    """The first `width` block ids, padded with block 0 (masked out by context length)."""
+    """The first `width` block ids, padded with block 0 (masked out by context length);
+    freed leading blocks (`FREED_BLOCK`) read as block 0 too: they lie outside every
+    layer's window, which masks them out."""
     head = block_ids[:width]
+    if head and head[0] < 0:
+        head = [max(b, 0) for b in head]
     return head + [0] * (width - len(head))

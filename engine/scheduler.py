@@ -33,7 +33,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine import clock
-from engine.block_manager import BlockAllocator, blocks_needed
+from engine.block_manager import BlockAllocator, blocks_needed, held_blocks
 from engine.config import EngineConfig
 from engine.sequence import Sequence, SequenceStatus
 
@@ -104,8 +104,9 @@ class Scheduler:
 
     def release(self, seq: Sequence) -> None:
         if seq.block_ids:
-            self.allocator.free(seq.block_ids)
+            self.allocator.free(held_blocks(seq.block_ids))
             seq.block_ids = []
+        seq.num_freed_blocks = 0
 
     def reserve_imports(self) -> list[Sequence]:
         """Give blocks to queued imports, oldest first, while the pool has them to spare.

@@ -58,6 +58,9 @@ class Sequence:
     """Prefix-cache names of its leading full blocks, grown as needed (engine/prefix_cache.py)."""
     num_published: int = 0
     """Leading blocks of `block_ids` already offered to the prefix cache (their KV complete)."""
+    num_freed_blocks: int = 0
+    """Leading blocks of `block_ids` given back because no sliding window reaches them
+    (placeholders now: engine/sliding_window.py)."""
     num_cached_tokens: int = 0
     """Tokens whose KV this engine's prefix cache already held when the sequence was first
     admitted (a fresh prompt: not computed; an import: not moved)."""

@@ -4,8 +4,8 @@ Encoding and decoding go straight to the `tokenizers` (Rust) object that transfo
 wraps; transformers itself is imported only for what needs it (chat templates,
 grammar vocabularies), because its import is about a second of every worker's start
 and a worker only ever decodes. The effective Rust tokenizer, as transformers builds
-it from the model's files, is cached on disk (`backend_cache`), so a worker that finds
-it there never imports transformers at all.
+it from the model's files with AutoTokenizer, is cached on disk (`backend_cache`), so a
+worker that finds it there never imports transformers at all.
 """
 
 from __future__ import annotations
@@ -103,18 +103,13 @@ class Tokenizer:
         return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
 
-_BACKEND_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast"}
-"""tokenizer_config.json classes that are a plain tokenizer.json: AutoTokenizer would
-build the same object, but only after importing the model's config class (a second of
-every worker's start)."""
-
-
 def _load_hf_tokenizer(model_dir: Path):
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    """What transformers' AutoTokenizer builds for the directory, always: it picks the
+    class from config.json's model_type as well as tokenizer_config.json, and a
+    family's class may rebuild the pre-tokenizer rather than take tokenizer.json's
+    (Qwen2Tokenizer splits digits one by one even where the file says
+    `TokenizersBackend`). Its start-up cost is paid once per directory: the Rust object
+    it built is cached (`backend_cache`)."""
+    from transformers import AutoTokenizer
 
-    settings_file = model_dir / "tokenizer_config.json"
-    settings = json.loads(settings_file.read_text()) if settings_file.is_file() else {}
-    plain = settings.get("tokenizer_class") in _BACKEND_CLASSES
-    if plain and (model_dir / "tokenizer.json").is_file():
-        return PreTrainedTokenizerFast.from_pretrained(str(model_dir), local_files_only=True)
     return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)

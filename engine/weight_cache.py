@@ -39,7 +39,7 @@ from engine.weights import LayerWeights, ModelWeights, checkpoint_files, load_we
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2
 """Bumped whenever the way prepared weights are laid out or named here changes."""
 
 SUFFIX = ".weights"
@@ -95,16 +95,19 @@ def _flatten(weights: ModelWeights) -> tuple[dict[str, torch.Tensor], dict]:
                 fields[field.name] = value
         kinds[name] = {"class": type(projection).__name__, "fields": fields}
 
+    layer_parts = []
     for index, layer in enumerate(weights.layers):
-        tensors[f"layers.{index}.input_norm"] = layer.input_norm
-        tensors[f"layers.{index}.post_norm"] = layer.post_norm
-        for name, projection in layer.projections().items():
+        norms, projections = layer.norms(), layer.projections()
+        for name, norm in norms.items():
+            tensors[f"layers.{index}.{name}"] = norm
+        for name, projection in projections.items():
             put(f"layers.{index}.{name}", projection)
+        layer_parts.append({"norms": list(norms), "projections": list(projections)})
     put("lm_head", weights.lm_head)
     tied = weights.embed is weights.lm_head
     if not tied:
         put("embed", weights.embed)
-    layout = {"layers": len(weights.layers), "tied": tied, "projections": kinds}
+    layout = {"layers": layer_parts, "tied": tied, "projections": kinds}
     return tensors, layout
 
 
@@ -129,17 +132,22 @@ def _unflatten(tensors: dict[str, torch.Tensor], layout: dict) -> ModelWeights:
                 values[field.name] = tensors.get(f"{name}.{field.name}")
         return cls(**values)
 
-    layers = [
-        LayerWeights(
-            input_norm=tensors[f"layers.{i}.input_norm"],
-            qkv=take(f"layers.{i}.qkv"),
-            o_proj=take(f"layers.{i}.o_proj"),
-            post_norm=tensors[f"layers.{i}.post_norm"],
-            gate_up=take(f"layers.{i}.gate_up"),
-            down=take(f"layers.{i}.down"),
+    layers = []
+    for index, parts in enumerate(layout["layers"]):
+        prefix = f"layers.{index}."
+        layer = LayerWeights(
+            input_norm=tensors[prefix + "input_norm"],
+            qkv=take(prefix + "qkv"),
+            o_proj=take(prefix + "o_proj"),
+            post_norm=tensors[prefix + "post_norm"],
         )
-        for i in range(layout["layers"])
-    ]
+        for name in parts["norms"]:
+            setattr(layer, name, tensors[prefix + name])
+        for name in parts["projections"]:
+            if name.startswith("experts_"):
+                getattr(layer, name.partition(".")[0]).append(None)
+            layer.set_projection(name, take(prefix + name))
+        layers.append(layer)
     lm_head = take("lm_head")
     embed = lm_head if layout["tied"] else take("embed")
     return ModelWeights(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.factories import make_tiny_model
+from tests.factories import LazyModelDirs, make_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -13,6 +13,12 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, object]:
     return {
         family: make_tiny_model(root / family, family) for family in ("llama", "qwen2", "mistral")
     }
+
+
+@pytest.fixture(scope="session")
+def family_model_dirs(tmp_path_factory) -> dict[str, object]:
+    """Tiny models of `tests.factories.NEW_FAMILIES`, written when first asked for."""
+    return LazyModelDirs(tmp_path_factory.mktemp("family-models"))
 
 
 @pytest.fixture(scope="session")

@@ -15,10 +15,16 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
+    Phi3Config,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from engine.config import EngineConfig
@@ -37,6 +43,15 @@ _CORPUS = [
     "Grüße aus Köln! Ça va? 東京は晴れです。 🙂🚀 naïve café",
     "def main():\n    return 42\n",
 ]
+
+
+TINY_WINDOW = 24
+"""The sliding window of the tiny windowed models: shorter than the long test prompts
+and than one prefill chunk of them, three 8-token blocks."""
+
+NEW_FAMILIES = ("qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe", "mistral_window")
+"""The tiny models of the families served after Llama/Qwen2/Mistral (and Mistral with a
+window shorter than the prompts), each as its transformers config defines it."""
 
 
 def tiny_config(family: str):
@@ -77,7 +92,106 @@ def tiny_config(family: str):
             sliding_window=512,
             **common,
         )
+    return _new_family_config(family, common)
+
+
+def _new_family_config(family: str, common: dict):
+    layers = {**common, "num_hidden_layers": 4}
+    if family == "mistral_window":
+        return MistralConfig(
+            hidden_size=80,
+            intermediate_size=160,
+            num_attention_heads=5,
+            num_key_value_heads=1,
+            sliding_window=TINY_WINDOW,
+            **layers,
+        )
+    if family == "qwen3":
+        # head_dim * heads (6 x 24) differs from hidden (96); layers 1+ slide.
+        return Qwen3Config(
+            hidden_size=96,
+            intermediate_size=192,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            head_dim=24,
+            use_sliding_window=True,
+            sliding_window=TINY_WINDOW,
+            max_window_layers=1,
+            **layers,
+        )
+    if family in ("gemma2", "gemma3"):
+        gemma = dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=TINY_WINDOW,
+            pad_token_id=0,
+            **{**layers, "tie_word_embeddings": True},
+        )
+        if family == "gemma2":  # sliding and global layers alternate
+            return Gemma2Config(attn_logit_softcapping=50.0, final_logit_softcapping=30.0, **gemma)
+        return Gemma3TextConfig(
+            layer_types=[
+                "sliding_attention",
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+            ],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+            **gemma,
+        )
+    if family == "phi3":
+        # LongRoPE with an original context shorter than the long prompts.
+        return Phi3Config(
+            hidden_size=96,
+            intermediate_size=160,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            pad_token_id=0,
+            original_max_position_embeddings=PHI3_ORIGINAL_CONTEXT,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0, 1.0, 1.1, 1.1, 1.2, 1.2, 1.3, 1.3],
+                "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0],
+            },
+            **layers,
+        )
+    if family == "mixtral":  # every layer a mixture, every layer windowed
+        return MixtralConfig(
+            hidden_size=64,
+            intermediate_size=96,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=TINY_WINDOW,
+            **layers,
+        )
+    if family == "qwen3_moe":  # layer 1 keeps a dense MLP; no renormalisation
+        return Qwen3MoeConfig(
+            hidden_size=64,
+            intermediate_size=112,
+            moe_intermediate_size=48,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=6,
+            num_experts_per_tok=2,
+            mlp_only_layers=[1],
+            norm_topk_prob=False,
+            **layers,
+        )
     raise ValueError(family)
+
+
+PHI3_ORIGINAL_CONTEXT = 32
 
 
 @cache
@@ -179,3 +293,16 @@ def our_greedy_with_logits(engine, prompt: list[int], max_new_tokens: int):
             step_logits.append(result.logits[0].clone())  # valid until the next step
             engine._append_token(result.sampling_seqs[0], int(result.logits[0].argmax()))
     return torch.stack(step_logits)
+
+
+class LazyModelDirs(dict):
+    """Family -> tiny model directory, each written on first use (a session that tests
+    one family does not pay for the others)."""
+
+    def __init__(self, root):
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, family: str):
+        self[family] = make_tiny_model(self.root / family, family)
+        return self[family]

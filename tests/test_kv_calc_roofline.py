@@ -146,3 +146,97 @@ def test_kv_calc_cli_with_a_config_file(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["kv_bytes_per_token"] == 131_072
+
+
+# --- the families beyond Llama: real configs' KV per token, by hand -----------------------
+
+QWEN3_8B = {
+    "model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288,
+    "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": False,
+    "sliding_window": None, "use_sliding_window": False,
+}  # fmt: skip
+GEMMA2_9B = {
+    "model_type": "gemma2", "hidden_size": 3584, "intermediate_size": 14336,
+    "num_hidden_layers": 42, "num_attention_heads": 16, "num_key_value_heads": 8,
+    "head_dim": 256, "vocab_size": 256000, "tie_word_embeddings": True, "sliding_window": 4096,
+}  # fmt: skip
+MIXTRAL_8X7B = {
+    "model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "vocab_size": 32000, "tie_word_embeddings": False, "num_local_experts": 8,
+    "num_experts_per_tok": 2, "sliding_window": None,
+}  # fmt: skip
+MISTRAL_7B_V01 = {
+    "model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "vocab_size": 32000, "tie_word_embeddings": False, "sliding_window": 4096,
+}  # fmt: skip
+PHI3_MINI_4K = {
+    "model_type": "phi3", "hidden_size": 3072, "intermediate_size": 8192,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+    "vocab_size": 32064, "tie_word_embeddings": False, "sliding_window": 2047,
+}  # fmt: skip
+QWEN3_30B_A3B = {
+    "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
+    "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+    "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
+    "tie_word_embeddings": False, "num_experts": 128, "num_experts_per_tok": 8,
+    "mlp_only_layers": [], "decoder_sparse_step": 1, "use_sliding_window": False,
+}  # fmt: skip
+DEEPSEEK_V3 = {
+    "model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+    "num_key_value_heads": 128, "vocab_size": 129280, "tie_word_embeddings": False,
+    "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3, "kv_lora_rank": 512, "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "config,per_token,params",
+    [
+        # 2 (K, V) x 36 layers x 8 KV heads x 128 x 2 bytes; 36 x (attention + MLP +
+        # 2 norms + q/k norms) + final norm + untied embedding and LM head.
+        (QWEN3_8B, 2 * 36 * 8 * 128 * 2, 8_190_735_360),
+        # head_dim 256 over 42 layers; 4 norms a layer, tied embedding.
+        (GEMMA2_9B, 2 * 42 * 8 * 256 * 2, 9_241_705_984),
+        # KV like Mistral's; every layer holds 8 experts and a router of 8 x 4096.
+        (MIXTRAL_8X7B, 2 * 32 * 8 * 128 * 2, 46_702_792_704),
+        (PHI3_MINI_4K, 2 * 32 * 32 * 96 * 2, None),
+        # 48 layers x 4 KV heads x 128; 128 experts of 768 in every layer.
+        (QWEN3_30B_A3B, 2 * 48 * 4 * 128 * 2, 30_532_122_624),
+        # MLA caches one latent of 512 + 64 per layer, not K and V of 128 heads.
+        (DEEPSEEK_V3, 61 * (512 + 64) * 2, None),
+    ],
+)
+def test_kv_bytes_per_token_of_each_familys_real_config(config, per_token, params):
+    shape = shape_from_config(config, config["model_type"])
+    assert kv_bytes_per_token(shape, "bfloat16") == per_token
+    if params is not None:
+        assert total_params(shape) == params
+
+
+def test_sliding_windows_cap_a_request_only_when_every_layer_slides():
+    mistral = shape_from_config(MISTRAL_7B_V01, "mistral-7b-v0.1")
+    gemma = shape_from_config(GEMMA2_9B, "gemma-2-9b")
+    assert gemma.layer_windows == (4096, None) * 21  # alternating, global layers keep all
+
+    capped = kv_capacity(mistral, context=32768, block_size=16)
+    full = kv_capacity(gemma, context=32768, block_size=16)
+
+    # The window's 256 blocks plus the one a new token opens before the oldest goes.
+    assert capped.blocks_per_request == 4096 // 16 + 1 and capped.sliding_window == 4096
+    assert capped.kv_bytes_per_request == 257 * 16 * 131_072
+    assert full.blocks_per_request == 32768 // 16 and full.sliding_window is None
+    assert kv_capacity(mistral, context=1000, block_size=16).blocks_per_request == 63
+
+
+def test_a_mixture_streams_only_routed_experts_in_the_roofline():
+    mixtral = shape_from_config(MIXTRAL_8X7B, "mixtral")
+    one = decode_step(mixtral, hardware_profile("h100"), batch=1, context=512, dtype="bfloat16")
+    many = decode_step(mixtral, hardware_profile("h100"), batch=64, context=512, dtype="bfloat16")
+    # batch 1 reads 2 of 8 experts per layer; 64 tokens x 2 read all 8
+    expert = 3 * 4096 * 14336
+    assert many.weight_bytes - one.weight_bytes == 32 * 6 * expert * 2

@@ -1,7 +1,7 @@
 """The quick config and tokenizer readers agree with transformers' own loaders.
 
-Workers read config.json as JSON and tokenizer.json without the model's config class
-(a second of every restart); these tests pin that shortcut to what AutoConfig and
+Workers read config.json as JSON (a second of every restart saved); the tokenizer is
+AutoTokenizer's, cached. These tests pin the shortcut to what AutoConfig and
 AutoTokenizer build, and check it steps aside when transformers has to fill in.
 """
 
