@@ -194,6 +194,7 @@ def test_a_ticket_whose_layout_names_another_architecture_is_refused(family_mode
 
     from engine.kv_cache import KVLayout
     from kv_transfer.base import ExportTicket, FailureReason, KVTransferError, check_layout
+    from kv_transfer.endpoints import SenderEndpoint
 
     spec = make_engine(family_model_dirs["gemma2"]).spec
     local = KVLayout.for_model(spec, torch.float32, 8)
@@ -210,9 +211,10 @@ def test_a_ticket_whose_layout_names_another_architecture_is_refused(family_mode
     for other in others:
         remote = KVLayout.for_model(other, torch.float32, 8)
         assert remote.block_nbytes == local.block_nbytes
-        ticket = ExportTicket("r", "prefill-0", {}, remote.as_dict(), [1], 8)
+        endpoint = SenderEndpoint("local", "prefill-0", "node")
+        ticket = ExportTicket("r", "prefill-0", endpoint, remote, [1], 8, lease_ttl_s=30.0)
         with pytest.raises(KVTransferError) as refused:
             check_layout(ticket, local, "prefill-0")
         assert refused.value.reason == FailureReason.LAYOUT_MISMATCH
-    same = ExportTicket("r", "prefill-0", {}, local.as_dict(), [1], 8)
+    same = ExportTicket("r", "prefill-0", endpoint, local, [1], 8, lease_ttl_s=30.0)
     check_layout(same, local, "prefill-0")
