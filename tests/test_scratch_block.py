@@ -15,7 +15,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from cluster.config import ClusterConfig, ConfigError
+from cluster.config import ClusterConfig, ConfigError, PoolConfig
 from engine.block_manager import BlockAllocator
 from engine.config import EngineConfig
 from engine.prefix_cache import PrefixCache
@@ -109,11 +109,13 @@ def test_only_an_engine_that_captures_graphs_keeps_a_scratch_block():
 
 def test_the_cluster_pool_check_counts_the_scratch_block():
     """A GPU pool must hold one longest sequence besides its scratch block."""
-    shape = dict(model="demo", block_size=16, mode="colocated", decode_workers=1)
-    ClusterConfig(**shape, decode_kv_blocks=32, gpus_per_worker=0).check_pools(512)
-    gpu = ClusterConfig(**shape, decode_kv_blocks=32, gpus_per_worker=1)
+    shape = dict(model="demo", block_size=16, mode="colocated")
+
+    def config(kv_blocks: int, **extra) -> ClusterConfig:
+        return ClusterConfig(**shape, decode=PoolConfig(workers=1, kv_blocks=kv_blocks), **extra)
+
+    config(32, gpus_per_worker=0).check_pools(512)
     with pytest.raises(ConfigError, match="plus 1 for the CUDA graphs' scratch"):
-        gpu.check_pools(512)
-    ClusterConfig(**shape, decode_kv_blocks=33, gpus_per_worker=1).check_pools(512)
-    no_graphs = ClusterConfig(**shape, decode_kv_blocks=32, gpus_per_worker=1, cuda_graphs=False)
-    no_graphs.check_pools(512)
+        config(32, gpus_per_worker=1).check_pools(512)
+    config(33, gpus_per_worker=1).check_pools(512)
+    config(32, gpus_per_worker=1, cuda_graphs=False).check_pools(512)
