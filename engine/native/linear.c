@@ -195,6 +195,7 @@ static inline __attribute__((always_inline)) void few_rows_group(int M, int NS, 
 static void few_rows_strips(const float *x, long ldx, long M, long K, const float *w, long s0,
                             long s1, const float *bias, float *y, long ldy, int accumulate) {
   switch (M) {
+    FEW_ROWS(1, GEMV_STRIPS) /* deterministic mode's single row (linear_team) */
     FEW_ROWS(2, 3)
     FEW_ROWS(3, 2)
     FEW_ROWS(4, 2)
@@ -309,7 +310,10 @@ void linear_team(const linear_args *a, int t, int nt) {
   long s0, s1;
   team_strips(a->N, t, nt, &s0, &s1);
   if (s0 < s1) {
-    if (a->M == 1)
+    /* gemv_strips sums over two chains, the bias and the residual last: other bits
+     * than the tiles'. Deterministic mode gives a single row the few-row pass, which
+     * sums each column as tile() does, so a row's values do not depend on its batch. */
+    if (a->M == 1 && !a->deterministic)
       gemv_strips(in, a->w, K, s0, s1, a->bias, a->y, a->accumulate);
     else if (a->M <= FEW_ROWS_MAX)
       few_rows_strips(in, ldin, a->M, K, a->w, s0, s1, a->bias, a->y, a->ldy, a->accumulate);
@@ -324,9 +328,10 @@ void linear_team(const linear_args *a, int t, int nt) {
 void pd_linear(const float *x, long ldx, long M, long K, const float *w_packed, long N,
                const float *bias, int prologue, const float *norm_weight, float eps,
                float *scratch, float *y, long ldy, int accumulate, int weights_bf16,
-               int nthreads) {
+               int deterministic, int nthreads) {
   linear_args a = {x,       ldx,         M,   K,       w_packed, N,   bias,       prologue,
-                   norm_weight, eps, scratch, y,        ldy, accumulate, weights_bf16};
+                   norm_weight, eps, scratch, y,        ldy, accumulate, weights_bf16,
+                   deterministic};
 #pragma omp parallel num_threads(nthreads)
   linear_team(&a, omp_get_thread_num(), omp_get_num_threads());
 }

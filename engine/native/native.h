@@ -213,6 +213,7 @@ typedef struct {
   long ldy;
   int accumulate;
   int weights_bf16; /* w packed as bf16 pairs (linear_bf16.c); scratch holds M * K floats */
+  int deterministic; /* every row on one summation order, whatever M (see linear_team) */
 } linear_args;
 
 /* The full strips [s0, s1) of an N-column projection that thread t of nt computes; the
@@ -286,6 +287,9 @@ typedef struct {
   long spans, blocks_per_span;
   float *partial; /* R * spans * attention_partial_stride floats when spans > 1 */
   int kv_bf16;
+  int deterministic; /* each row in a prefill row's arithmetic (decode_row_exact) */
+  long max_context;  /* from attention_plan: the longest row's keys */
+  long head_parts;   /* from attention_plan, deterministic mode: items per row */
 } attention_args;
 
 /* 0, or -1 for shapes the kernel does not take; fills spans and blocks_per_span. */
@@ -294,5 +298,9 @@ long attention_partial_stride(const attention_args *a);
 long attention_scratch_floats(const attention_args *a);
 /* Work-shares over the team (omp for, with its barriers); scratch is this thread's. */
 void attention_team(const attention_args *a, float *scratch);
+/* Deterministic mode (prefill_attention.c): decode row r's query heads over kv heads
+ * [h0, h1), read in place, in the arithmetic pd_prefill_attention gives a row at that
+ * position. scratch: attention_scratch_floats(a) floats. */
+void decode_row_exact(const attention_args *a, long r, long h0, long h1, float *scratch);
 
 #endif
