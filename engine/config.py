@@ -66,12 +66,19 @@ class ModelSettings:
     prefix_caching: bool = True
     """Reuse the KV of full blocks a previous request already computed for the same prefix
     (`--no-prefix-caching` turns it off: every prompt is computed and moved whole)."""
+    deterministic: bool = False
+    """Batch-invariant kernels: a row's logits (and its KV) get the same bits whatever the
+    batch it runs in, the chunking of its prefill, its prefix-cache hits and the worker,
+    so seeded sampling is exact across batches and after a stream migrates. CPU: the
+    native kernels (projections on one summation order at every batch size, decode
+    attention in a prefill row's arithmetic); GPU: Triton attention without split keys
+    and Triton projections and norms of fixed tiles (docs/architecture.md)."""
 
     def __post_init__(self) -> None:
         _check_choice("kernels", self.kernels, KERNEL_CHOICES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_CHOICES)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
-        for name in ("cuda_graphs", "prefix_caching"):
+        for name in ("cuda_graphs", "prefix_caching", "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.dtype != "auto" and self.dtype not in TORCH_DTYPES:
