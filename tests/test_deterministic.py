@@ -9,6 +9,7 @@ Every comparison is bit for bit (`torch.equal`) on the logits the sampler drew f
 
 from __future__ import annotations
 
+import ctypes
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,7 +19,8 @@ import torch
 
 from engine.config import EngineConfig
 from engine.demo_model import prepare_demo_model
-from engine.native.ops import native_kernels
+from engine.native.build import build_library
+from engine.native.ops import NativeKernels, native_kernels
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk
@@ -154,6 +156,94 @@ def test_the_default_kernels_rows_do_depend_on_their_batch(tiny_llama_dir):
     assert_no_leaks(engine)
 
 
+# --- the attention kernels ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def kernels_by_width():
+    """The kernels built at 8 and at 16 floats per vector (as tests/test_engine_paths.py
+    builds them: GCC pairs ymm halves where the CPU has no AVX-512F)."""
+    built = {}
+    with pytest.MonkeyPatch.context() as patch:
+        for lanes in (8, 16):
+            patch.setenv("PDSERVE_KERNEL_VECTOR_WIDTH", str(lanes))
+            built[lanes] = NativeKernels(ctypes.CDLL(str(build_library())))
+    return built
+
+
+def paged_rows(lengths, group, head_dim, pool_dtype, block_size=16, num_kv_heads=2, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    width = max(-(-n // block_size) for n in lengths)
+    pool = torch.randn(len(lengths) * width + 1, 2, block_size, num_kv_heads, head_dim,
+                       generator=generator).to(pool_dtype)  # fmt: skip
+    tables = torch.randperm(pool.shape[0], generator=generator)[: len(lengths) * width]
+    q = torch.randn(len(lengths), num_kv_heads * group * head_dim, generator=generator)
+    return q, pool, tables.view(len(lengths), width).contiguous()
+
+
+def kernel_decode(kernels, q, pool, tables, lengths, threads):
+    rows = q.shape[0]
+    num_kv_heads, head_dim = pool.shape[3], pool.shape[4]
+    out = torch.empty_like(q)
+    lens = torch.tensor(lengths, dtype=torch.int64)
+    status = kernels.decode_attention(
+        q=q.data_ptr(), ldq=q.stride(0), R=rows, Hq=q.shape[1] // head_dim, Hkv=num_kv_heads,
+        D=head_dim, k_cache=pool[:, 0].data_ptr(), v_cache=pool[:, 1].data_ptr(),
+        block_stride=pool.stride(0), block_size=pool.shape[2], block_tables=tables.data_ptr(),
+        table_stride=tables.stride(0), context_lens=lens.data_ptr(), scale=head_dim**-0.5,
+        out=out.data_ptr(), ldo=out.stride(0), nthreads=threads,
+        kv_bf16=int(pool.dtype == torch.bfloat16), deterministic=1,
+    )  # fmt: skip
+    assert status == 0
+    return out
+
+
+def kernel_prefill_last_row(kernels, q_row, pool, table, length, context_start, threads):
+    """`q_row` as the last row of a prefill chunk [context_start, length) of one sequence."""
+    head_dim = pool.shape[4]
+    generator = torch.Generator().manual_seed(length + context_start)
+    rows = torch.randn(length - context_start, q_row.shape[0], generator=generator)
+    rows[-1] = q_row
+    out = torch.empty_like(rows)
+    status = kernels.prefill_attention(
+        q=rows.data_ptr(), ldq=rows.stride(0), T=rows.shape[0], Hq=q_row.shape[0] // head_dim,
+        Hkv=pool.shape[3], D=head_dim, k_cache=pool[:, 0].data_ptr(),
+        v_cache=pool[:, 1].data_ptr(), block_stride=pool.stride(0), block_size=pool.shape[2],
+        table=table.data_ptr(), context_start=context_start, scale=head_dim**-0.5,
+        out=out.data_ptr(), ldo=out.stride(0), nthreads=threads,
+        kv_bf16=int(pool.dtype == torch.bfloat16),
+    )  # fmt: skip
+    assert status == 0
+    return out[-1]
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("group", "head_dim"), [(1, 64), (3, 64), (4, 32), (6, 16), (9, 128)])
+def test_a_deterministic_decode_row_is_a_prefill_rows_bits_at_either_vector_width(
+    kernels_by_width, group, head_dim, pool_dtype
+):
+    """pd_decode_attention in deterministic mode, on rows of 300, 41, 16 and 1 tokens in
+    one batch and alone, on 1 and 2 threads, against pd_prefill_attention's last row of
+    chunks of 1, 7 and the whole row: one set of bits, at 8 and at 16 floats per vector.
+    Every group size (more than EXACT_HEADS query heads per kv head, too) and a bf16 pool."""
+    lengths = [300, 41, 16, 1]
+    q, pool, tables = paged_rows(lengths, group, head_dim, pool_dtype)
+    expected = None
+    for kernels in kernels_by_width.values():
+        batch = kernel_decode(kernels, q, pool, tables, lengths, threads=2)
+        for row, length in enumerate(lengths):
+            alone = kernel_decode(kernels, q[row : row + 1], pool, tables[row : row + 1],
+                                  [length], threads=1)  # fmt: skip
+            assert torch.equal(alone[0], batch[row]), row
+            for chunk in {1, 7, length}:
+                if chunk <= length:
+                    prefill = kernel_prefill_last_row(kernels, q[row], pool, tables[row],
+                                                      length, length - chunk, threads=2)  # fmt: skip
+                    assert torch.equal(prefill, batch[row]), (row, chunk)
+        expected = batch if expected is None else expected
+        assert torch.equal(batch, expected)
+
+
 # --- seeded streams ----------------------------------------------------------------------
 
 
@@ -244,14 +334,17 @@ def _positions(blocks: torch.Tensor, count: int) -> torch.Tensor:
     return blocks.movedim(3, 1).flatten(0, 1)[:count]
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])
 @pytest.mark.parametrize("chunk", [PROMPT_LEN, 16, 20, 7])
-def test_prefill_in_any_chunks_gives_the_same_kv_and_logits(tiny_llama_dir, chunk):
+def test_prefill_in_any_chunks_gives_the_same_kv_and_logits(tiny_llama_dir, chunk, kv_cache_dtype):
     """One chunk, four of 16 (the last 13), 20 (the last a lone token, which runs as a
-    decode row), or nine of 7: the prompt's KV and its logits are the same bits."""
+    decode row), or nine of 7, over a float32 or a bf16 pool: the prompt's KV and its
+    logits are the same bits."""
     prompt = prompt_of(PROMPT_LEN, salt=11)
-    reference = deterministic_engine(tiny_llama_dir, prefill_chunk_size=64, max_batch_tokens=64)
+    sizes = dict(max_batch_tokens=64, kv_cache_dtype=kv_cache_dtype)
+    reference = deterministic_engine(tiny_llama_dir, prefill_chunk_size=64, **sizes)
     expected_kv, expected_logits = prompt_kv_and_logits(reference, prompt)
-    engine = deterministic_engine(tiny_llama_dir, prefill_chunk_size=chunk, max_batch_tokens=64)
+    engine = deterministic_engine(tiny_llama_dir, prefill_chunk_size=chunk, **sizes)
     kv, logits = prompt_kv_and_logits(engine, prompt)
     assert torch.equal(kv, expected_kv)
     assert torch.equal(logits, expected_logits)

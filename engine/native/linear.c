@@ -41,7 +41,7 @@ static inline __attribute__((always_inline)) void tile(int MR, const float *x, l
     for (int c = 0; c < PD_NV; c++) b[c] = LOADA(w + k * PD_NR + c * VL);
     for (int i = 0; i < MR; i++) {
       vf xa = splat(x[i * ldx + k]);
-      for (int c = 0; c < PD_NV; c++) acc[i][c] += xa * b[c];
+      for (int c = 0; c < PD_NV; c++) acc[i][c] = vfma(xa, b[c], acc[i][c]);
     }
   }
   for (int c = 0; c < PD_NV && bias; c++)
@@ -165,7 +165,7 @@ static inline __attribute__((always_inline)) void few_rows_group(int M, int NS, 
     for (int t = 0; t < NS; t++)
       for (int v = 0; v < PD_NV; v++) {
         vf w = LOADA(ws + t * K * PD_NR + k * PD_NR + v * VL);
-        for (int i = 0; i < M; i++) acc[i][t][v] += splat(x[i * ldx + k]) * w;
+        for (int i = 0; i < M; i++) acc[i][t][v] = vfma(splat(x[i * ldx + k]), w, acc[i][t][v]);
       }
   }
   for (int i = 0; i < M; i++)
@@ -283,7 +283,10 @@ static void silu_mul_row(const float *x, long K, float *out) {
  * Rows wider than this (the K of a very wide MLP) take the shared scratch. */
 #define PROLOGUE_OWN_MAX 16384
 
-static void prologue_row(const linear_args *a, const float *x, float *out) {
+/* One body, never inlined: a single row's own copy and the shared scratch of several
+ * rows get the prologue from the same instructions (see native.h's fma8). */
+static __attribute__((noinline)) void prologue_row(const linear_args *a, const float *x,
+                                                   float *out) {
   if (a->prologue == PROLOGUE_RMSNORM)
     rmsnorm_row(x, a->K, a->norm_weight, a->eps, out);
   else

@@ -98,6 +98,36 @@ typedef int32_t i8 __attribute__((vector_size(32)));
 static inline f8 splat8(float f) { return f - (f8){0}; }
 DEFINE_VEXP(vexp8, f8, i8)
 
+/* a * b + c, rounded once, spelled out. GCC fuses `c += a * b` into an FMA or not by the
+ * code around it (in one instance of a loop it left the sum unfused), so two kernels that
+ * must round a row alike (deterministic mode: the projections' tiles and their few-row
+ * pass, a prefill row and a decode row's attention) write their sums with these. */
+static inline __attribute__((always_inline)) f8 fma8(f8 a, f8 b, f8 c) {
+#ifdef __FMA__
+  return (f8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  f8 r;
+  for (int i = 0; i < 8; i++) r[i] = fmaf(a[i], b[i], c[i]);
+  return r;
+#endif
+}
+
+static inline __attribute__((always_inline)) vf vfma(vf a, vf b, vf c) {
+#if VL == 16 && defined(__AVX512F__)
+  return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif VL == 16 /* two eight-float halves, as GCC runs a 16-float vector without AVX-512F */
+  f8 lo = fma8(__builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7),
+               __builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7),
+               __builtin_shufflevector(c, c, 0, 1, 2, 3, 4, 5, 6, 7));
+  f8 hi = fma8(__builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15),
+               __builtin_shufflevector(b, b, 8, 9, 10, 11, 12, 13, 14, 15),
+               __builtin_shufflevector(c, c, 8, 9, 10, 11, 12, 13, 14, 15));
+  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  return fma8(a, b, c);
+#endif
+}
+
 /* The KV pool holds float32, or bfloat16 (`bf16` below: half the bytes that decode
  * attention streams per step). Kernels address it by element: element i of a layer's
  * keys or values from their block 0. A bf16 value is a float32's top half, so reading

@@ -119,7 +119,7 @@ static void tile_scores(const float *qs, const float *kt, long n_pad, long D, lo
       for (int c = 0; c < PA_NV; c++) keys[c] = LOADU(k + c * VL);
       for (int i = 0; i < PA_ROWS; i++) {
         vf qv = splat(qs[i * D + d]);
-        for (int c = 0; c < PA_NV; c++) acc[i][c] += qv * keys[c];
+        for (int c = 0; c < PA_NV; c++) acc[i][c] = vfma(qv, keys[c], acc[i][c]);
       }
     }
     for (int i = 0; i < PA_ROWS; i++)
@@ -141,8 +141,10 @@ static inline f8 eight_lanes(vf v, int h) {
 /* Row i keeps keys [0, limit): exp(score - max) there, 0 after; returns 1 / their sum.
  * The peak and the exponentials run on VL-float vectors; the sum runs in eight lanes,
  * lane l adding keys l, l + 8, l + 16, ... in order at either width, so a 16-float
- * build halves the exponentials' instructions and keeps the 8-float build's bits. */
-static float row_softmax(float *row, long limit, long n_tile) {
+ * build halves the exponentials' instructions and keeps the 8-float build's bits. One
+ * body, never inlined, serves prefill rows and deterministic decode rows alike, so the
+ * compiler cannot fuse its arithmetic one way for one and another way for the other. */
+static __attribute__((noinline)) float row_softmax(float *row, long limit, long n_tile) {
   vf peaks = splat(-INFINITY);
   long t = 0;
   for (; t + VL <= limit; t += VL) {
@@ -186,7 +188,7 @@ static void tile_values(const float *p, long ld_p, const float *v, long D, long 
       for (int c = 0; c < PA_NV; c++) values[c] = LOADU(v + t * D + d0 + c * VL);
       for (int i = 0; i < PA_ROWS; i++) {
         vf w = splat(p[i * ld_p + t]);
-        for (int c = 0; c < PA_NV; c++) acc[i][c] += w * values[c];
+        for (int c = 0; c < PA_NV; c++) acc[i][c] = vfma(w, values[c], acc[i][c]);
       }
     }
     for (long i = 0; i < rows; i++)
@@ -317,7 +319,7 @@ static inline __attribute__((always_inline)) void exact_score_tile(int NG, const
       keys[u] = rows[u] < 0 ? splat8(0.0f) : kv_load8(a->k_cache, rows[u] + d, bf16);
     transpose8x8(keys, dims);
     for (int c = 0; c < 8; c++)
-      for (int g = 0; g < NG; g++) acc[g] += splat8(qs[g * D + d + c]) * dims[c];
+      for (int g = 0; g < NG; g++) acc[g] = fma8(splat8(qs[g * D + d + c]), dims[c], acc[g]);
   }
   for (int g = 0; g < NG; g++) STORE8(scores + g * ld, acc[g]);
 }
@@ -377,7 +379,7 @@ static inline __attribute__((always_inline)) void exact_value_tile(int NG, int N
     for (int c = 0; c < NV; c++) v[c] = kv_load8(a->v_cache, values + i * row_kv + 8 * c, bf16);
     for (int g = 0; g < NG; g++) {
       f8 w = splat8(p[g * ld + i]);
-      for (int c = 0; c < NV; c++) acc[g][c] += w * v[c];
+      for (int c = 0; c < NV; c++) acc[g][c] = fma8(w, v[c], acc[g][c]);
     }
   }
   for (int g = 0; g < NG; g++)
