@@ -234,24 +234,41 @@ def _gather(view: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     return gathered.transpose(-3, -2)
 
 
+DETERMINISTIC_BACKENDS = ("native", "triton")
+"""Backends whose rows do not depend on their batch (`deterministic`)."""
+
+
 def make_attention_backend(
     choice: AttentionChoice,
     dtype: torch.dtype,
     device: str,
     kernels: str = "auto",
     block_size: int = 16,
+    deterministic: bool = False,
 ) -> AttentionBackend:
     """The backend for `choice`. `auto`: on CUDA FlashInfer or flash-attn where importable
     and able to serve `dtype` and `block_size`, else the Triton kernels; on a CPU the
     native kernels in float32 (unless `kernels` is 'torch'), else torch. The torch gather
-    path runs on CUDA only when named. An explicit choice that cannot run here raises."""
+    path runs on CUDA only when named. An explicit choice that cannot run here raises.
+    `deterministic`: only `DETERMINISTIC_BACKENDS`, in their batch-invariant mode (`auto`
+    on CUDA is then Triton); anything else raises."""
     if choice not in ATTENTION_CHOICES:
         raise ValueError(f"attention_backend must be one of {ATTENTION_CHOICES}, got {choice!r}")
     choice = "flash_attn" if choice == "flash" else choice
+    backend = _backend(choice, dtype, device, kernels, block_size, deterministic)
+    if deterministic and backend.name not in DETERMINISTIC_BACKENDS:
+        raise ValueError(
+            f"deterministic mode needs attention_backend native (float32 on CPU, with the "
+            f"native kernels) or triton; {backend.name!r} rows depend on their batch"
+        )
+    return backend
+
+
+def _backend(choice, dtype, device, kernels, block_size, deterministic) -> AttentionBackend:
     if choice == "torch":
         return TorchPagedAttention()
     if torch.device(device).type == "cuda":
-        return _cuda_backend(choice, dtype, block_size)
+        return _cuda_backend(choice, dtype, block_size, deterministic)
     if choice in ("flashinfer", "flash_attn"):
         raise ValueError(f"attention_backend={choice!r} needs CUDA")
     if choice == "triton":
@@ -260,7 +277,7 @@ def make_attention_backend(
         reason = triton_runs_on(device)
         if reason:
             raise ValueError(f"attention_backend='triton' cannot run here: {reason}")
-        return TritonPagedAttention()
+        return TritonPagedAttention(deterministic)
     native_wanted = choice == "native" or kernels != "torch"
     if native_wanted and dtype == torch.float32 and torch.device(device).type == "cpu":
         from engine.native.attention import NativePagedAttention
@@ -268,24 +285,28 @@ def make_attention_backend(
 
         native = native_kernels()
         if native is not None:
-            return NativePagedAttention(native)
+            return NativePagedAttention(native, deterministic)
     if choice == "native":
         raise ValueError("attention_backend='native' needs float32 on CPU and the kernels")
     return TorchPagedAttention()
 
 
-def _cuda_backend(choice: str, dtype: torch.dtype, block_size: int) -> AttentionBackend:
-    """`auto`, `triton`, `flashinfer` or `flash_attn` on a CUDA device."""
+def _cuda_backend(
+    choice: str, dtype: torch.dtype, block_size: int, deterministic: bool = False
+) -> AttentionBackend:
+    """`auto`, `triton`, `flashinfer` or `flash_attn` on a CUDA device; `auto` is Triton
+    in deterministic mode."""
     if choice == "native":
         raise ValueError("attention_backend='native' needs float32 on CPU and the kernels")
-    if choice in ("auto", "flashinfer"):
+    searching = choice == "auto" and not deterministic
+    if choice == "flashinfer" or searching:
         from engine.flashinfer_backend import FlashInferPagedAttention, flashinfer_available
 
         if flashinfer_available(dtype, block_size):
             return FlashInferPagedAttention()
         if choice == "flashinfer":
             raise ValueError("attention_backend='flashinfer' needs fp16/bf16 and flashinfer")
-    if choice in ("auto", "flash_attn"):
+    if choice == "flash_attn" or searching:
         from engine.flash_attention import FlashPagedAttention, flash_available
 
         explicit = choice == "flash_attn"
@@ -298,4 +319,4 @@ def _cuda_backend(choice: str, dtype: torch.dtype, block_size: int) -> Attention
     reason = triton_runs_on("cuda")
     if reason:
         raise ValueError(f"no CUDA attention backend can run here: {reason}")
-    return TritonPagedAttention()
+    return TritonPagedAttention(deterministic)

@@ -74,6 +74,13 @@ class ModelSettings:
     gets the rest of that share. Sizes the pool of a CUDA engine given no block count;
     an explicit count (`num_kv_blocks`, a cluster's pool counts) overrides it. Two
     engines on one GPU take a share each (0.45 + 0.45)."""
+    deterministic: bool = False
+    """Batch-invariant kernels: a row's logits (and its KV) get the same bits whatever the
+    batch it runs in, the chunking of its prefill, its prefix-cache hits and the worker,
+    so seeded sampling is exact across batches and after a stream migrates. CPU: the
+    native kernels (projections on one summation order at every batch size, decode
+    attention in a prefill row's arithmetic); GPU: Triton attention without split keys
+    and Triton projections and norms of fixed tiles (docs/architecture.md)."""
 
     def __post_init__(self) -> None:
         _check_choice("kernels", self.kernels, KERNEL_CHOICES)
@@ -82,7 +89,7 @@ class ModelSettings:
         share = self.gpu_memory_utilization
         if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {share!r}")
-        for name in ("cuda_graphs", "prefix_caching"):
+        for name in ("cuda_graphs", "prefix_caching", "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.dtype != "auto" and self.dtype not in TORCH_DTYPES:

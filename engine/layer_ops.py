@@ -100,18 +100,22 @@ class TorchOps:
         # As transformers does: normalize in float32, scale in the weights' dtype.
         return F.rms_norm(residual, shape, None, self.eps).to(weight.dtype) * weight
 
+    def project(self, x: torch.Tensor, projection: Linear) -> torch.Tensor:
+        """x @ W^T (+ b): every projection of the ops below goes through here."""
+        return linear(x, projection.weight, projection.bias)
+
     def norm_linear(self, residual, norm_weight, projection: Linear) -> torch.Tensor:
         normed = self.norm(residual, norm_weight)
         if normed.dtype != projection.weight.dtype:  # a float32 norm weight (Gemma's)
             normed = normed.to(projection.weight.dtype)
-        return linear(normed, projection.weight, projection.bias)
+        return self.project(normed, projection)
 
     def linear_add(self, x, projection: Linear, residual: torch.Tensor) -> None:
-        residual += linear(x, projection.weight, projection.bias)
+        residual += self.project(x, projection)
 
     def glu_linear_add(self, gate_up, projection: Linear, residual: torch.Tensor) -> None:
         gate, up = gate_up.chunk(2, dim=-1)
-        residual += linear(F.silu(gate) * up, projection.weight, projection.bias)
+        residual += self.project(F.silu(gate) * up, projection)
 
     def rope_store(self, qkv, positions, rope, kv_pool, layer: int, meta, sizes: HeadSizes):
         """Rotate q and k, write k and v into the pool; returns q, k, v as [T, heads, dim]."""
@@ -136,7 +140,7 @@ def project(ops, x: torch.Tensor, projection) -> torch.Tensor:
     if ops.name == "torch":
         if x.dtype != projection.weight.dtype:  # float32 norm output into bf16 weights
             x = x.to(projection.weight.dtype)
-        return linear(x, projection.weight, projection.bias)
+        return ops.project(x, projection)
     out = torch.zeros(x.shape[0], projection.out_features, dtype=RESIDUAL_DTYPE)
     ops.linear_add(x.contiguous(), projection, out)
     return out
@@ -163,29 +167,49 @@ def glu(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     return GLU_ACTIVATIONS[activation](gate) * up
 
 
-def make_layer_ops(choice: KernelChoice, dtype: torch.dtype, device: str, eps: float):
+def make_layer_ops(
+    choice: KernelChoice, dtype: torch.dtype, device: str, eps: float, deterministic: bool = False
+):
     """`native` where it applies, else `TorchOps`: on CPU with the kernels compiled, in
     float32, and in bfloat16 where the CPU has AVX512-BF16 (bf16 weights, float32
     activations: `activation_dtype`; the KV pool's dtype is the model's own, see
     `LlamaForward.kv_dtype`; multi-row projections on AMX tiles where
     the CPU has those too).
 
-    `auto` falls back quietly; an explicit `native` that cannot run raises."""
+    `auto` falls back quietly; an explicit `native` that cannot run raises.
+    `deterministic`: the native kernels in their batch-invariant mode, or torch ops
+    whose projections and norms run on the batch-invariant Triton kernels
+    (engine/invariant_ops.py); where neither can run, ValueError."""
     if choice not in KERNEL_CHOICES:
         raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {choice!r}")
     if choice == "torch":
-        return TorchOps(eps)
+        return _torch_ops(eps, device, deterministic)
     kernels = _native_kernels_for(dtype, device)
     if kernels is not None:
         from engine.native.ops import NativeOps
 
-        return NativeOps(kernels, eps, weights_bf16=dtype == torch.bfloat16)
+        return NativeOps(kernels, eps, dtype == torch.bfloat16, deterministic)
     if choice == "native":
         raise ValueError(
             "kernels='native' cannot run here: they need a C compiler and a CPU, in float32 "
             "(or bfloat16 on a CPU with AVX512-BF16)"
         )
-    return TorchOps(eps)
+    return _torch_ops(eps, device, deterministic)
+
+
+def _torch_ops(eps: float, device: str, deterministic: bool) -> TorchOps:
+    if not deterministic:
+        return TorchOps(eps)
+    from engine.invariant_ops import InvariantTorchOps, invariant_ops_run_on
+
+    reason = invariant_ops_run_on(device)
+    if reason:
+        raise ValueError(
+            f"deterministic mode cannot run torch layer ops here ({reason}): their matmuls "
+            "take other paths at other batch sizes. On a CPU it needs the native kernels "
+            "(kernels auto or native, and a C compiler)"
+        )
+    return InvariantTorchOps(eps)
 
 
 def activation_dtype(choice: KernelChoice, dtype: torch.dtype, device: str) -> torch.dtype:

@@ -167,6 +167,7 @@ class LLMEngine:
                 kernels=kernels,
                 kv_dtype=self.config.kv_torch_dtype,
                 block_size=self.config.block_size,
+                deterministic=self.config.deterministic,
             )
 
     def _size_pool(self, baseline: DeviceSnapshot) -> KVSizing:

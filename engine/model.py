@@ -79,15 +79,19 @@ class LlamaForward:
         kernels: KernelChoice = "auto",
         kv_dtype: torch.dtype | None = None,
         block_size: int = 16,
+        deterministic: bool = False,
     ):
+        """`deterministic`: batch-invariant layer ops and attention (the `deterministic`
+        setting); raises ValueError where this device and these choices have none."""
         self.spec = spec
         self.dtype = dtype
         self.device = device
+        self.deterministic = deterministic
         if attention == "triton" and kernels == "auto":
             # The GPU path whole, wherever it runs: torch's layer ops and the Triton KV
             # store (on a CPU, the interpreter's debug mode; not the native kernels).
             kernels = "torch"
-        self.ops = make_layer_ops(kernels, dtype, device, spec.rms_norm_eps)
+        self.ops = make_layer_ops(kernels, dtype, device, spec.rms_norm_eps, deterministic)
         self.activation_dtype = activation_dtype(kernels, dtype, device)
         """Of the activations: float32 on the native kernels, whose bf16 mode keeps the
         projections' weights (and, by default, the KV cache) in bf16."""
@@ -108,7 +112,12 @@ class LlamaForward:
         if not isinstance(attention, AttentionBackend):
             kernel_kind = "torch" if self.ops.name == "torch" else "auto"
             attention = make_attention_backend(
-                attention or "auto", self.activation_dtype, device, kernel_kind, block_size
+                attention or "auto",
+                self.activation_dtype,
+                device,
+                kernel_kind,
+                block_size,
+                deterministic,
             )
         self.attention = self._backend_for_options(attention)
         if self.attention.kv_store is not None and isinstance(self.ops, TorchOps):
@@ -118,6 +127,7 @@ class LlamaForward:
         """Of the KV pool this forward writes and reads: the weights' dtype unless asked
         otherwise; one that differs from the activations' needs the native kernels."""
         self._check_kv_dtype()
+        self._check_deterministic()
         self.scale = spec.attention_scale
         self.heads = HeadSizes(spec.num_heads, spec.num_kv_heads, spec.head_dim)
         self.thread_choice: ThreadChoice | None = None
@@ -217,6 +227,20 @@ class LlamaForward:
                 f"a {str(self.kv_dtype).removeprefix('torch.')} KV cache under "
                 f"{str(self.activation_dtype).removeprefix('torch.')} activations needs the "
                 "native CPU kernels and attention; set kv_cache_dtype to 'auto'"
+            )
+
+    def _check_deterministic(self) -> None:
+        if not self.deterministic:
+            return
+        if not getattr(self.attention, "deterministic", False):
+            raise ValueError(
+                f"deterministic mode needs a batch-invariant attention backend (native or "
+                f"triton, built with deterministic=True), not {self.attention.name!r}"
+            )
+        if self.attention.name == "native" and self.spec.head_dim % 16:
+            raise ValueError(
+                "deterministic mode on the native kernels needs a head dim that is a multiple "
+                f"of 16 (what their prefill attention takes), not {self.spec.head_dim}"
             )
 
     @torch.inference_mode()

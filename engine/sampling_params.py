@@ -52,7 +52,10 @@ class SamplingParams:
     """Tokens less likely than min_p x the likeliest one (after temperature) are not drawn;
     applied before top-k and top-p, as vLLM does (0 disables)."""
     seed: int | None = None
-    """Same seed, same output; also continues deterministically after a migration."""
+    """Each output position draws from its own generator seeded by (seed, position): the
+    same request in the same batch gives the same output, and a migrated stream continues
+    from the same generators. With `deterministic` on, the logits are the same bits in
+    any batch and after a migration too, so the output is."""
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     """Stop strings; the output text is cut before the first match."""

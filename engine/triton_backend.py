@@ -61,11 +61,17 @@ def store_kv(kv_pool, layer: int, meta: AttentionMetadata, k, v) -> None:
 
 class TritonPagedAttention(AttentionBackend):
     """Decode rows and prefill chunks (fresh or after cached context) on the Triton
-    kernels, GQA and sliding windows included, any device triton targets."""
+    kernels, GQA and sliding windows included, any device triton targets.
+    `deterministic`: no split decode rows, prefill on decode's row block, so a row's bits
+    depend neither on its batch nor on how its prompt was chunked
+    (engine/kernels/triton_attention.py)."""
 
     name = "triton"
     reads_in_place = True
     kv_store = staticmethod(store_kv)
+
+    def __init__(self, deterministic: bool = False):
+        self.deterministic = deterministic
 
     def forward(self, q, k, v, kv_pool, layer, meta, scale, window: int | None = None):
         num_tokens, num_heads, head_dim = q.shape
@@ -88,6 +94,7 @@ class TritonPagedAttention(AttentionBackend):
             scale,
             out,
             window=window,
+            deterministic=self.deterministic,
         )
 
     def _prefill(self, q, k, v, kv_pool, layer: int, meta, scale, out, window) -> None:
@@ -101,4 +108,5 @@ class TritonPagedAttention(AttentionBackend):
             scale,
             out,
             window=window,
+            deterministic=self.deterministic,
         )

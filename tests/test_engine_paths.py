@@ -338,8 +338,11 @@ def test_every_available_attention_backend_agrees_on_a_decode_step(
     assert_no_leaks(engine)
 
 
-def _native_decode_attention(q, pool, tables, context_lens, threads: int) -> torch.Tensor:
-    """pd_decode_attention over `pool` [blocks, 2 (keys, values), block_size, Hkv, D]."""
+def _native_decode_attention(
+    q, pool, tables, context_lens, threads: int, deterministic: bool = False
+) -> torch.Tensor | None:
+    """pd_decode_attention over `pool` [blocks, 2 (keys, values), block_size, Hkv, D];
+    None where the kernel declines the shapes."""
     rows, num_heads, head_dim = q.shape
     out = torch.empty(rows, num_heads * head_dim)
     keys, values = pool[:, 0], pool[:, 1]
@@ -348,24 +351,26 @@ def _native_decode_attention(q, pool, tables, context_lens, threads: int) -> tor
         keys.data_ptr(), values.data_ptr(), pool.stride(0), pool.shape[2],
         tables.data_ptr(), tables.stride(0), context_lens.data_ptr(), head_dim**-0.5,
         out.data_ptr(), num_heads * head_dim, threads, int(pool.dtype == torch.bfloat16),
+        int(deterministic),
     )  # fmt: skip
-    assert status == 0
-    return out.view(rows, num_heads, head_dim)
+    return out.view(rows, num_heads, head_dim) if status == 0 else None
 
 
 @needs_native
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("group", "head_dim"),
     [(1, 64), (2, 64), (3, 64), (3, 24), (4, 64), (5, 32), (6, 64), (7, 16), (8, 64), (12, 64)],
 )
 def test_native_decode_attention_scores_each_group_of_heads_over_its_kv_head(
-    group, head_dim, pool_dtype
+    group, head_dim, pool_dtype, deterministic
 ):
     """Keys are scored a group of query heads at a time, tiled by group size: every
     group size, head dims that do and do not fill the value pass's wide tiles, and
     blocks cut short, against softmax(q k^T) v over the pool read back as float32; the
-    result's bits do not depend on the thread count."""
+    result's bits do not depend on the thread count. Deterministic mode (a prefill row's
+    arithmetic) takes head dims of multiples of 16 and declines the others."""
     num_kv_heads, block_size, lengths = 2, 16, [5, 16, 21, 40, 151]
     num_heads, blocks_each = group * num_kv_heads, -(-max(lengths) // block_size)
     generator = torch.Generator().manual_seed(group * 100 + head_dim)
@@ -376,8 +381,11 @@ def test_native_decode_attention_scores_each_group_of_heads_over_its_kv_head(
     context_lens = torch.tensor(lengths, dtype=torch.int64)
     q = torch.randn(len(lengths), num_heads, head_dim, generator=generator)
 
-    out = _native_decode_attention(q, pool, tables, context_lens, threads=2)
-    one_thread = _native_decode_attention(q, pool, tables, context_lens, threads=1)
+    out = _native_decode_attention(q, pool, tables, context_lens, 2, deterministic)
+    one_thread = _native_decode_attention(q, pool, tables, context_lens, 1, deterministic)
+    if deterministic and head_dim % 16:
+        assert out is None and one_thread is None
+        return
     assert torch.equal(out, one_thread)
     for row, length in enumerate(lengths):
         tokens = pool[tables[row]].float().transpose(1, 2).reshape(-1, 2, num_kv_heads, head_dim)

@@ -26,6 +26,16 @@ over NUM_SPLITS programs (flash-decoding); `_merge_kernel` then combines their p
 softmaxes. Grids and split counts depend only on tensor shapes, never on their
 contents, so a decode launch replays inside a CUDA graph.
 
+Deterministic mode (`deterministic=True`, the engine's `deterministic` setting): the
+split count follows the batch (how many programs fill the GPU), and a split row sums
+its keys in another order, so decode never splits; and prefill programs take decode's
+row block (BLOCK_M of `DECODE_ROWS`, its heads padded), so that every query row, decode
+or prefill, is scored and weighted by dots of one shape over the same key tiles in the
+same order. Key tiles past a row's own position, or before its window, leave its online
+softmax exactly as it was (weights 0, rescale 1), so neither the chunking of a prompt
+nor the rows beside it change a row's bits. Long decode rows at small batch then run
+on fewer programs, and prefill on smaller tiles: slower, for the same bits.
+
 `reference_attention` beside the kernels is the dense computation they must equal.
 """
 
@@ -56,10 +66,16 @@ def _next_power_of_2(value: int, floor: int = 16) -> int:
 
 
 @triton.jit
-def _dot(a, b, DOT_F32: tl.constexpr):
+def _dot(a, b, DOT_F32: tl.constexpr, ROW_EXACT: tl.constexpr = False):
     """a @ b accumulated in float32: on float32 inputs in IEEE float32 (TF32 would round
     them to 10 bits), and under the interpreter always in float32 (its bf16 dot is
-    wrong); on the GPU's fp16/bf16 inputs, on the tensor cores."""
+    wrong); on the GPU's fp16/bf16 inputs, on the tensor cores. `ROW_EXACT` (the
+    interpreter in deterministic mode): products summed over k in order, element by
+    element. The interpreter's dot is numpy's BLAS, which sums a row by other paths at
+    other places in the tile; a tensor core's dot does not depend on the place.
+    """
+    if ROW_EXACT:
+        return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
     if DOT_F32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     return tl.dot(a, b)
@@ -99,6 +115,7 @@ def _attention_kernel(
     NUM_SPLITS: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_F32: tl.constexpr,
+    ROW_EXACT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -162,7 +179,7 @@ def _attention_kernel(
             mask=key_ok[:, None] & dim_ok[None, :],
             other=0.0,
         )
-        scores = _dot(q, keys.to(q.dtype), DOT_F32) * scale_log2
+        scores = _dot(q, keys.to(q.dtype), DOT_F32, ROW_EXACT) * scale_log2
         visible = row_ok[:, None] & key_ok[None, :] & (offs_n[None, :] <= q_abs[:, None])
         if USE_WINDOW:
             visible = visible & (q_abs[:, None] - offs_n[None, :] < window)
@@ -174,7 +191,7 @@ def _attention_kernel(
         alpha = tl.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         values = values.to(q.dtype)
-        acc = acc * alpha[:, None] + _dot(p.to(values.dtype), values, DOT_F32)
+        acc = acc * alpha[:, None] + _dot(p.to(values.dtype), values, DOT_F32, ROW_EXACT)
         m_i = m_new
 
     store_mask = row_ok[:, None] & dim_ok[None, :]
@@ -229,11 +246,18 @@ def _merge_kernel(
     )
 
 
-def decode_splits(num_rows: int, num_kv_heads: int, max_keys: int, device: torch.device) -> int:
+def decode_splits(
+    num_rows: int,
+    num_kv_heads: int,
+    max_keys: int,
+    device: torch.device,
+    deterministic: bool = False,
+) -> int:
     """How many programs share each decode row's keys: enough that the launch fills the
-    GPU twice over, at most one key tile each and `MAX_SPLITS`; 1 on a CPU. Depends on
-    shapes only (the same for every replay of a captured graph)."""
-    if device.type != "cuda":
+    GPU twice over, at most one key tile each and `MAX_SPLITS`; 1 on a CPU, and in
+    deterministic mode (the count follows the batch). Depends on shapes only (the same
+    for every replay of a captured graph)."""
+    if device.type != "cuda" or deterministic:
         return 1
     programs = num_rows * num_kv_heads
     multiprocessors = _multiprocessors(device.index)
@@ -259,7 +283,18 @@ def _dot_f32(dtype: torch.dtype) -> bool:
 
 
 def _launch(
-    q, k_cache, v_cache, out, batch: SeqBatch, scale, window, grid, block_m, decode, splits
+    q,
+    k_cache,
+    v_cache,
+    out,
+    batch: SeqBatch,
+    scale,
+    window,
+    grid,
+    block_m,
+    decode,
+    splits,
+    deterministic=False,
 ):
     """Launch the kernel; `out` [rows, Hq * D] or [rows, Hq, D] (heads contiguous)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -280,7 +315,7 @@ def _launch(
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=1 if decode else block_m // group,
         TILE_N=KEY_TILE, DECODE=decode, NUM_SPLITS=splits, USE_WINDOW=window is not None,
-        DOT_F32=_dot_f32(q.dtype),
+        DOT_F32=_dot_f32(q.dtype), ROW_EXACT=deterministic and envs.triton_interpret(),
     )  # fmt: skip
     if splits > 1:
         _merge_kernel[(out.shape[0], num_heads)](
@@ -313,21 +348,26 @@ def decode_attention(
     out: torch.Tensor,
     window: int | None = None,
     num_splits: int | None = None,
+    deterministic: bool = False,
 ) -> None:
     """One query row per sequence (its newest token, already in the pool) over its
     context; writes `out` [rows, Hq * D]. q [rows, Hq, D]; k_cache, v_cache [blocks,
     block_size, Hkv, D] (a layer's strided view of the pool); block_tables [rows,
     width]; context_lens [rows] (tokens in the pool, the new one included).
-    `num_splits` None picks `decode_splits`. No host synchronisation: graph-safe."""
+    `num_splits` None picks `decode_splits`; `deterministic` never splits (see the
+    module's docstring). No host synchronisation: graph-safe."""
     rows, num_heads = q.shape[0], q.shape[1]
     num_kv_heads = k_cache.shape[2]
     max_keys = block_tables.shape[1] * k_cache.shape[1]
-    splits = num_splits or decode_splits(rows, num_kv_heads, max_keys, q.device)
+    splits = 1 if deterministic else num_splits
+    splits = splits or decode_splits(rows, num_kv_heads, max_keys, q.device)
     # a decode program finds its row by its index: query_starts is never read
     batch = SeqBatch(context_lens, context_lens, block_tables, 1)
     block_m = _next_power_of_2(num_heads // num_kv_heads, DECODE_ROWS)
     grid = (rows, num_kv_heads, splits)
-    _launch(q, k_cache, v_cache, out, batch, scale, window, grid, block_m, True, splits)
+    _launch(
+        q, k_cache, v_cache, out, batch, scale, window, grid, block_m, True, splits, deterministic
+    )
 
 
 def prefill_attention(
@@ -338,17 +378,19 @@ def prefill_attention(
     scale: float,
     out: torch.Tensor,
     window: int | None = None,
+    deterministic: bool = False,
 ) -> None:
     """Prefill chunks, each after its sequence's cached context (0 for a fresh prompt),
     in one launch: chunk s's rows of q attend causally to its keys in the pool; writes
-    the same rows of `out` [T, Hq * D]. Rows of q outside every chunk are left alone."""
+    the same rows of `out` [T, Hq * D]. Rows of q outside every chunk are left alone.
+    `deterministic`: programs of decode's row block (see the module's docstring)."""
     if batch.num_seqs == 0:
         return
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    block_m = _next_power_of_2(group, PREFILL_ROWS)
+    block_m = _next_power_of_2(group, DECODE_ROWS if deterministic else PREFILL_ROWS)
     grid = (batch.num_seqs, num_kv_heads, triton.cdiv(batch.max_query_len, block_m // group))
-    _launch(q, k_cache, v_cache, out, batch, scale, window, grid, block_m, False, 1)
+    _launch(q, k_cache, v_cache, out, batch, scale, window, grid, block_m, False, 1, deterministic)
 
 
 def reference_attention(

@@ -334,8 +334,23 @@ int attention_plan(attention_args *a, int nthreads) {
     long blocks = (a->context_lens[r] + a->block_size - 1) / a->block_size;
     max_blocks = blocks > max_blocks ? blocks : max_blocks;
   }
+  a->max_context = 0;
+  for (long r = 0; r < a->R; r++)
+    a->max_context = a->context_lens[r] > a->max_context ? a->context_lens[r] : a->max_context;
+  if (a->deterministic) {
+    /* decode_row_exact: no spans. With fewer rows than threads, a row's kv heads are
+     * shared out over items, which may follow the thread count: each head's arithmetic
+     * is the same whichever item computes it. */
+    if (a->D % 16) return -1; /* the head dims pd_prefill_attention takes */
+    long parts = a->R >= nthreads ? 1 : (nthreads + a->R - 1) / a->R;
+    a->head_parts = parts < a->Hkv ? parts : a->Hkv;
+    a->spans = 1, a->blocks_per_span = max_blocks;
+    return 0;
+  }
   /* Split by the batch alone, never by the thread count, so that a step's result (its
-   * merge order) is the same on any number of threads. */
+   * merge order) is the same on any number of threads. A row's bits still depend on
+   * its batch (spans below MIN_ITEMS rows) and differ from a prefill row's: see
+   * decode_row_exact for the mode where they do not. */
   (void)nthreads;
   long wanted = a->R >= MIN_ITEMS ? 1 : (MIN_ITEMS + a->R - 1) / a->R;
   long fit = max_blocks / MIN_SPAN_BLOCKS, cap = wanted < fit ? wanted : fit, spans = 1;
@@ -347,8 +362,10 @@ int attention_plan(attention_args *a, int nthreads) {
 
 long attention_partial_stride(const attention_args *a) { return a->Hq * a->D + 2 * a->Hq; }
 
-/* Per thread: a block's scores and the scaled query. */
+/* Per thread: a block's scores and the scaled query; in deterministic mode, the scaled
+ * queries, their scores over the longest row (whole vectors) and their value sums. */
 long attention_scratch_floats(const attention_args *a) {
+  if (a->deterministic) return a->Hq * (2 * a->D + (a->max_context + 15) / 16 * 16);
   return a->Hq * (a->block_size + a->D);
 }
 
@@ -380,6 +397,16 @@ static void attend_item(const attention_args *a, long item, float *scratch) {
 }
 
 void attention_team(const attention_args *a, float *scratch) {
+  if (a->deterministic) {
+    long parts = a->head_parts;
+#pragma omp for schedule(dynamic, 1)
+    for (long item = 0; item < a->R * parts; item++) {
+      long part = item % parts;
+      decode_row_exact(a, item / parts, part * a->Hkv / parts, (part + 1) * a->Hkv / parts,
+                       scratch);
+    }
+    return;
+  }
   long items = a->R * a->spans, stride = attention_partial_stride(a);
 #pragma omp for schedule(dynamic, 1)
   for (long item = 0; item < items; item++) attend_item(a, item, scratch);
@@ -393,18 +420,20 @@ void attention_team(const attention_args *a, float *scratch) {
 
 /* q: [R, Hq * D] at stride ldq; out: [R, Hq * D] at stride ldo. GQA: query head j
  * uses kv head j / (Hq / Hkv). Returns -1 (nothing done) for a head dim that is not a
- * multiple of 8, query heads that are not a multiple of the kv heads, or more than
- * MAX_HEADS query heads. */
+ * multiple of 8 (16 with `deterministic`), query heads that are not a multiple of the kv
+ * heads, or more than MAX_HEADS query heads. `deterministic`: each row as
+ * decode_row_exact computes it (prefill_attention.c), the same bits in any batch. */
 int pd_decode_attention(const float *q, long ldq, long R, long Hq, long Hkv, long D,
                         const void *k_cache, const void *v_cache, long block_stride,
                         long block_size, const int64_t *block_tables, long table_stride,
                         const int64_t *context_lens, float scale, float *out, long ldo,
-                        int nthreads, int kv_bf16) {
+                        int nthreads, int kv_bf16, int deterministic) {
   attention_args a = {q,          ldq,        R,           Hq,    Hkv, D,   k_cache,
                       v_cache,    block_stride, block_size, block_tables, table_stride,
-                      context_lens, scale,     out,         ldo,   0,   0,   0, kv_bf16};
+                      context_lens, scale,     out,         ldo,   0,   0,   0, kv_bf16,
+                      deterministic, 0, 0};
   if (attention_plan(&a, nthreads)) return -1;
-  long items = R * a.spans;
+  long items = a.deterministic ? R * a.head_parts : R * a.spans;
   a.partial = a.spans > 1 ? malloc(sizeof(float) * (size_t)(items * attention_partial_stride(&a))) : 0;
 #pragma omp parallel num_threads(nthreads) if (items > 1)
   {

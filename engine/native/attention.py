@@ -18,12 +18,23 @@ from engine.native.ops import NativeKernels
 
 class NativePagedAttention(TorchPagedAttention):
     """Float32 CPU backend (the pool float32 or bfloat16); `kernels` are the process's
-    `NativeKernels`."""
+    `NativeKernels`. `deterministic`: decode rows in a prefill row's arithmetic
+    (prefill_attention.c's `decode_row_exact`), so a token's attention has the same bits
+    in any batch and whether it was decoded or prefilled in any chunk; shapes the kernels
+    decline then raise instead of falling back to torch, whose bits differ."""
 
     name = "native"
 
-    def __init__(self, kernels: NativeKernels):
+    def __init__(self, kernels: NativeKernels, deterministic: bool = False):
         self.kernels = kernels
+        self.deterministic = deterministic
+
+    def _declined(self, what: str, head_dim: int) -> None:
+        if self.deterministic:
+            raise RuntimeError(
+                f"the native {what} attention kernel declined this step (head dim {head_dim}); "
+                "deterministic mode has no other path with the same bits"
+            )
 
     def _decode(self, q, kv_pool, layer: int, meta: AttentionMetadata, scale, out) -> None:
         tables = meta.decode_block_tables
@@ -37,13 +48,16 @@ class NativePagedAttention(TorchPagedAttention):
             ldo=out.stride(0),
             nthreads=torch.get_num_threads(),
             kv_bf16=kv_pool.holds_bf16,
+            deterministic=int(self.deterministic),
         )
         if status != 0:
+            self._declined("decode", q.shape[2])
             super()._decode(q, kv_pool, layer, meta, scale, out)
 
     def _prefill(self, q, k, v, kv_pool, layer: int, chunk: PrefillChunk, scale):
         num_rows, num_heads, head_dim = q.shape
         if q.stride(2) != 1 or q.stride(1) != head_dim or not chunk.block_table.is_contiguous():
+            self._declined("prefill", head_dim)
             return super()._prefill(q, k, v, kv_pool, layer, chunk, scale)
         out = torch.empty(num_rows, num_heads, head_dim)
         status = self.kernels.prefill_attention(
@@ -57,6 +71,7 @@ class NativePagedAttention(TorchPagedAttention):
             kv_bf16=kv_pool.holds_bf16,
         )
         if status != 0:
+            self._declined("prefill", head_dim)
             return super()._prefill(q, k, v, kv_pool, layer, chunk, scale)
         return out
 

@@ -50,6 +50,7 @@ class Model(ctypes.Structure):
         ("layers", ctypes.POINTER(LayerWeights)),
         *((name, _P) for name in ("final_norm", "lm_head", "embed", "rope_cos", "rope_sin")),
         ("weights_bf16", _I),
+        ("deterministic", _I),
     ]
 
 
@@ -116,7 +117,7 @@ SIGNATURES: dict[str, Signature] = {
         *(("x", _P), ("ldx", _L), ("M", _L), ("K", _L), ("w_packed", _P), ("N", _L)),
         *(("bias", _P), ("prologue", _I), ("norm_weight", _P), ("eps", _F)),
         *(("scratch", _P), ("y", _P), ("ldy", _L), ("accumulate", _I)),
-        *(("weights_bf16", _I), ("nthreads", _I)),
+        *(("weights_bf16", _I), ("deterministic", _I), ("nthreads", _I)),
     ),
     "pd_rope_store": _sig(
         None,
@@ -130,6 +131,7 @@ SIGNATURES: dict[str, Signature] = {
         *_attention_head("R"),
         *(("block_tables", _P), ("table_stride", _L), ("context_lens", _P)),
         *(("scale", _F), ("out", _P), ("ldo", _L), ("nthreads", _I), ("kv_bf16", _I)),
+        ("deterministic", _I),
     ),
     "pd_gather_kv": _sig(
         None,

@@ -66,6 +66,7 @@ typedef struct {
   const float *embed;                /* [vocab][hidden], or NULL: rows of the packed lm_head */
   const float *rope_cos, *rope_sin;  /* [positions][head_dim] */
   int weights_bf16;                  /* projections packed as bf16 pairs (linear_bf16.c) */
+  int deterministic;                 /* each row's bits independent of the batch */
 } pd_model;
 
 typedef struct {
@@ -117,7 +118,7 @@ static linear_args projection(const float *x, long ldx, long rows, long K, const
                               const pd_model *m, const pd_decode_batch *b, float *y,
                               int accumulate) {
   linear_args a = {x, ldx, rows, K, w, N, bias, prologue, norm, m->eps, b->scratch, y, N,
-                   accumulate, m->weights_bf16};
+                   accumulate, m->weights_bf16, m->deterministic};
   return a;
 }
 
@@ -174,7 +175,8 @@ int pd_decode_step(const pd_model *m, const pd_decode_batch *b, int nthreads) {
                         b->context_lens, m->scale,
                         b->attn,         q_width,
                         0,               0,
-                        0,               b->kv_bf16};
+                        0,               b->kv_bf16,
+                        m->deterministic, 0, 0};
   if (attention_plan(&att, nthreads)) return -1;
   size_t partial = (size_t)(b->rows * att.spans * attention_partial_stride(&att));
   att.partial = att.spans > 1 ? malloc(sizeof(float) * partial) : 0;

@@ -91,6 +91,7 @@ class FusedDecode:
             model.rope.cos.data_ptr(),
             model.rope.sin.data_ptr(),
             int(weights.lm_head.bf16),
+            int(model.deterministic),
         )
         self._weights = weights  # keeps every tensor the structs point into alive
         self._scratch_rows = 0

@@ -41,7 +41,7 @@ static inline __attribute__((always_inline)) void tile(int MR, const float *x, l
     for (int c = 0; c < PD_NV; c++) b[c] = LOADA(w + k * PD_NR + c * VL);
     for (int i = 0; i < MR; i++) {
       vf xa = splat(x[i * ldx + k]);
-      for (int c = 0; c < PD_NV; c++) acc[i][c] += xa * b[c];
+      for (int c = 0; c < PD_NV; c++) acc[i][c] = vfma(xa, b[c], acc[i][c]);
     }
   }
   for (int c = 0; c < PD_NV && bias; c++)
@@ -165,7 +165,7 @@ static inline __attribute__((always_inline)) void few_rows_group(int M, int NS, 
     for (int t = 0; t < NS; t++)
       for (int v = 0; v < PD_NV; v++) {
         vf w = LOADA(ws + t * K * PD_NR + k * PD_NR + v * VL);
-        for (int i = 0; i < M; i++) acc[i][t][v] += splat(x[i * ldx + k]) * w;
+        for (int i = 0; i < M; i++) acc[i][t][v] = vfma(splat(x[i * ldx + k]), w, acc[i][t][v]);
       }
   }
   for (int i = 0; i < M; i++)
@@ -195,6 +195,7 @@ static inline __attribute__((always_inline)) void few_rows_group(int M, int NS, 
 static void few_rows_strips(const float *x, long ldx, long M, long K, const float *w, long s0,
                             long s1, const float *bias, float *y, long ldy, int accumulate) {
   switch (M) {
+    FEW_ROWS(1, GEMV_STRIPS) /* deterministic mode's single row (linear_team) */
     FEW_ROWS(2, 3)
     FEW_ROWS(3, 2)
     FEW_ROWS(4, 2)
@@ -282,7 +283,10 @@ static void silu_mul_row(const float *x, long K, float *out) {
  * Rows wider than this (the K of a very wide MLP) take the shared scratch. */
 #define PROLOGUE_OWN_MAX 16384
 
-static void prologue_row(const linear_args *a, const float *x, float *out) {
+/* One body, never inlined: a single row's own copy and the shared scratch of several
+ * rows get the prologue from the same instructions (see native.h's fma8). */
+static __attribute__((noinline)) void prologue_row(const linear_args *a, const float *x,
+                                                   float *out) {
   if (a->prologue == PROLOGUE_RMSNORM)
     rmsnorm_row(x, a->K, a->norm_weight, a->eps, out);
   else
@@ -309,7 +313,10 @@ void linear_team(const linear_args *a, int t, int nt) {
   long s0, s1;
   team_strips(a->N, t, nt, &s0, &s1);
   if (s0 < s1) {
-    if (a->M == 1)
+    /* gemv_strips sums over two chains, the bias and the residual last: other bits
+     * than the tiles'. Deterministic mode gives a single row the few-row pass, which
+     * sums each column as tile() does, so a row's values do not depend on its batch. */
+    if (a->M == 1 && !a->deterministic)
       gemv_strips(in, a->w, K, s0, s1, a->bias, a->y, a->accumulate);
     else if (a->M <= FEW_ROWS_MAX)
       few_rows_strips(in, ldin, a->M, K, a->w, s0, s1, a->bias, a->y, a->ldy, a->accumulate);
@@ -324,9 +331,10 @@ void linear_team(const linear_args *a, int t, int nt) {
 void pd_linear(const float *x, long ldx, long M, long K, const float *w_packed, long N,
                const float *bias, int prologue, const float *norm_weight, float eps,
                float *scratch, float *y, long ldy, int accumulate, int weights_bf16,
-               int nthreads) {
+               int deterministic, int nthreads) {
   linear_args a = {x,       ldx,         M,   K,       w_packed, N,   bias,       prologue,
-                   norm_weight, eps, scratch, y,        ldy, accumulate, weights_bf16};
+                   norm_weight, eps, scratch, y,        ldy, accumulate, weights_bf16,
+                   deterministic};
 #pragma omp parallel num_threads(nthreads)
   linear_team(&a, omp_get_thread_num(), omp_get_num_threads());
 }

@@ -217,9 +217,12 @@ void linear_team_bf16(const linear_args *a, int t, int nt) {
   team_strips(a->N, t, nt, &s0, &s1);
   const uint32_t *pairs = (const uint32_t *)in;
   if (s0 < s1) {
-    if (a->M == 1)
+    /* Deterministic mode: every M on the VDPBF16PS tiles, whose rows each sum their pairs
+     * in order; the one-row pass (two chains) and the AMX tiles (another instruction's
+     * rounding) would give a row other bits by its batch. */
+    if (a->M == 1 && !a->deterministic)
       gemv_bf16(pairs, w, K2, s0, s1, a->bias, a->y, a->accumulate);
-    else if (amx_takes(a->M, K2))
+    else if (!a->deterministic && amx_takes(a->M, K2))
       gemm_amx(in, a->M, K2, w, s0, s1, a->bias, a->y, a->ldy, a->accumulate);
     else
       gemm_bf16(pairs, a->M, K2, w, s0, s1, a->bias, a->y, a->ldy, a->accumulate);

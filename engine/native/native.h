@@ -98,6 +98,36 @@ typedef int32_t i8 __attribute__((vector_size(32)));
 static inline f8 splat8(float f) { return f - (f8){0}; }
 DEFINE_VEXP(vexp8, f8, i8)
 
+/* a * b + c, rounded once, spelled out. GCC fuses `c += a * b` into an FMA or not by the
+ * code around it (in one instance of a loop it left the sum unfused), so two kernels that
+ * must round a row alike (deterministic mode: the projections' tiles and their few-row
+ * pass, a prefill row and a decode row's attention) write their sums with these. */
+static inline __attribute__((always_inline)) f8 fma8(f8 a, f8 b, f8 c) {
+#ifdef __FMA__
+  return (f8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  f8 r;
+  for (int i = 0; i < 8; i++) r[i] = fmaf(a[i], b[i], c[i]);
+  return r;
+#endif
+}
+
+static inline __attribute__((always_inline)) vf vfma(vf a, vf b, vf c) {
+#if VL == 16 && defined(__AVX512F__)
+  return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif VL == 16 /* two eight-float halves, as GCC runs a 16-float vector without AVX-512F */
+  f8 lo = fma8(__builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7),
+               __builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7),
+               __builtin_shufflevector(c, c, 0, 1, 2, 3, 4, 5, 6, 7));
+  f8 hi = fma8(__builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15),
+               __builtin_shufflevector(b, b, 8, 9, 10, 11, 12, 13, 14, 15),
+               __builtin_shufflevector(c, c, 8, 9, 10, 11, 12, 13, 14, 15));
+  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  return fma8(a, b, c);
+#endif
+}
+
 /* The KV pool holds float32, or bfloat16 (`bf16` below: half the bytes that decode
  * attention streams per step). Kernels address it by element: element i of a layer's
  * keys or values from their block 0. A bf16 value is a float32's top half, so reading
@@ -213,6 +243,7 @@ typedef struct {
   long ldy;
   int accumulate;
   int weights_bf16; /* w packed as bf16 pairs (linear_bf16.c); scratch holds M * K floats */
+  int deterministic; /* every row on one summation order, whatever M (see linear_team) */
 } linear_args;
 
 /* The full strips [s0, s1) of an N-column projection that thread t of nt computes; the
@@ -286,6 +317,9 @@ typedef struct {
   long spans, blocks_per_span;
   float *partial; /* R * spans * attention_partial_stride floats when spans > 1 */
   int kv_bf16;
+  int deterministic; /* each row in a prefill row's arithmetic (decode_row_exact) */
+  long max_context;  /* from attention_plan: the longest row's keys */
+  long head_parts;   /* from attention_plan, deterministic mode: items per row */
 } attention_args;
 
 /* 0, or -1 for shapes the kernel does not take; fills spans and blocks_per_span. */
@@ -294,5 +328,9 @@ long attention_partial_stride(const attention_args *a);
 long attention_scratch_floats(const attention_args *a);
 /* Work-shares over the team (omp for, with its barriers); scratch is this thread's. */
 void attention_team(const attention_args *a, float *scratch);
+/* Deterministic mode (prefill_attention.c): decode row r's query heads over kv heads
+ * [h0, h1), read in place, in the arithmetic pd_prefill_attention gives a row at that
+ * position. scratch: attention_scratch_floats(a) floats. */
+void decode_row_exact(const attention_args *a, long r, long h0, long h1, float *scratch);
 
 #endif

@@ -171,16 +171,25 @@ class NativeOps:
     and the residual are float32; the projections' weights are float32, or bfloat16
     with `weights_bf16` (the kernels then round each projection's input to bf16); the
     KV pool is float32 or bfloat16 (`rope_store` then rounds k and v as it stores them,
-    in qkv too, so that every attention path reads the same values)."""
+    in qkv too, so that every attention path reads the same values). `deterministic`:
+    every projection sums a row's columns in one order whatever the number of rows
+    (linear.c's `linear_team`), so a row's bits do not depend on its batch."""
 
     name = "native"
 
-    def __init__(self, kernels: NativeKernels, eps: float, weights_bf16: bool = False):
+    def __init__(
+        self,
+        kernels: NativeKernels,
+        eps: float,
+        weights_bf16: bool = False,
+        deterministic: bool = False,
+    ):
         if weights_bf16 and not kernels.bf16:
             raise ValueError("these kernels were built without AVX512-BF16")
         self.kernels = kernels
         self.eps = eps
         self.weights_bf16 = weights_bf16
+        self.deterministic = deterministic
         self.threads = torch.get_num_threads()
         self._scratch = torch.empty(0)
         self.prepared_layout = f"native-strip{kernels.strip}" + ("-bf16" if weights_bf16 else "")
@@ -222,6 +231,7 @@ class NativeOps:
             ldy=out.stride(0),
             accumulate=int(accumulate),
             weights_bf16=int(projection.bf16),
+            deterministic=int(self.deterministic),
             nthreads=self.threads,
         )
 

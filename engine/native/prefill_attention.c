@@ -119,7 +119,7 @@ static void tile_scores(const float *qs, const float *kt, long n_pad, long D, lo
       for (int c = 0; c < PA_NV; c++) keys[c] = LOADU(k + c * VL);
       for (int i = 0; i < PA_ROWS; i++) {
         vf qv = splat(qs[i * D + d]);
-        for (int c = 0; c < PA_NV; c++) acc[i][c] += qv * keys[c];
+        for (int c = 0; c < PA_NV; c++) acc[i][c] = vfma(qv, keys[c], acc[i][c]);
       }
     }
     for (int i = 0; i < PA_ROWS; i++)
@@ -141,8 +141,10 @@ static inline f8 eight_lanes(vf v, int h) {
 /* Row i keeps keys [0, limit): exp(score - max) there, 0 after; returns 1 / their sum.
  * The peak and the exponentials run on VL-float vectors; the sum runs in eight lanes,
  * lane l adding keys l, l + 8, l + 16, ... in order at either width, so a 16-float
- * build halves the exponentials' instructions and keeps the 8-float build's bits. */
-static float row_softmax(float *row, long limit, long n_tile) {
+ * build halves the exponentials' instructions and keeps the 8-float build's bits. One
+ * body, never inlined, serves prefill rows and deterministic decode rows alike, so the
+ * compiler cannot fuse its arithmetic one way for one and another way for the other. */
+static __attribute__((noinline)) float row_softmax(float *row, long limit, long n_tile) {
   vf peaks = splat(-INFINITY);
   long t = 0;
   for (; t + VL <= limit; t += VL) {
@@ -186,7 +188,7 @@ static void tile_values(const float *p, long ld_p, const float *v, long D, long 
       for (int c = 0; c < PA_NV; c++) values[c] = LOADU(v + t * D + d0 + c * VL);
       for (int i = 0; i < PA_ROWS; i++) {
         vf w = splat(p[i * ld_p + t]);
-        for (int c = 0; c < PA_NV; c++) acc[i][c] += w * values[c];
+        for (int c = 0; c < PA_NV; c++) acc[i][c] = vfma(w, values[c], acc[i][c]);
       }
     }
     for (long i = 0; i < rows; i++)
@@ -252,4 +254,201 @@ int pd_prefill_attention(const float *q, long ldq, long T, long Hq, long Hkv, lo
   }
   free(buffer);
   return 0;
+}
+
+/* Deterministic mode's decode rows (attention.c's attention_team calls this per item: a
+ * row and a range of its kv heads): each query head over the row's context_lens[r] keys,
+ * read in place from the pool, in the arithmetic attend_tile gives a prefill row at that
+ * position: each score one FMA chain over D from zero on the pre-scaled query (a lane per
+ * key, the keys turned by transpose8x8 as gather_tokens turns them), row_softmax over the
+ * row's keys, each value column one FMA chain over the keys in order, times the inverse
+ * sum. The default decode kernel's online softmax over blocks and its spans give other
+ * bits, and its spans change with the batch; here a token's attention output is the same
+ * whether it is a decode row in any batch or a row of any prefill chunk, so its KV and
+ * logits do not depend on how it was scheduled.
+ *
+ * Two passes over the row's blocks, in order, each reading a block's whole piece of the
+ * pool (keys, then values) for every head of the item while the next block's piece is
+ * prefetched (where the item has every head: with a share of them, the piece is not all
+ * its own); the value sums are parked in scratch between blocks (a float stored and
+ * reloaded is the same float). Up to EXACT_HEADS query heads share each key tile or
+ * value row: their sums and a tile's eight dims fill the registers. */
+#define EXACT_HEADS 4
+
+typedef struct {
+  const char *at, *end;
+  long per_step; /* lines per prefetch step */
+} exact_prefetch;
+
+/* Aim the prefetch at the next block's keys (kind 0) or values (kind 1), spread over
+ * `steps` calls of exact_prefetch_step; nothing after the row's last block, nor for an
+ * item with a share of the heads (`whole` 0). */
+static inline void exact_prefetch_block(exact_prefetch *pf, const attention_args *a,
+                                        const int64_t *table, long next_block, long n,
+                                        int kind, long steps, int whole, int bf16) {
+  long bs = a->block_size, elem = bf16 ? 2 : 4;
+  if (next_block * bs >= n || !whole) {
+    pf->at = pf->end = 0, pf->per_step = 0;
+    return;
+  }
+  const void *base = kind ? a->v_cache : a->k_cache;
+  pf->at = (const char *)kv_at(base, table[next_block] * a->block_stride, bf16);
+  pf->end = pf->at + bs * a->Hkv * a->D * elem;
+  long lines = (pf->end - pf->at + 63) / 64;
+  pf->per_step = (lines + steps - 1) / steps;
+}
+
+static inline void exact_prefetch_step(exact_prefetch *pf) {
+  for (long i = 0; i < pf->per_step && pf->at < pf->end; i++, pf->at += 64)
+    __builtin_prefetch(pf->at, 0, 2);
+}
+
+/* Scores of NG query heads (queries qs, pre-scaled) over the eight keys at `rows` (pool
+ * offsets of kv head kh's key, -1: past the row) into scores[g * ld]. */
+static inline __attribute__((always_inline)) void exact_score_tile(int NG, const attention_args *a,
+                                                                   const long rows[8],
+                                                                   const float *qs,
+                                                                   float *scores, long ld,
+                                                                   int bf16) {
+  long D = a->D;
+  f8 acc[EXACT_HEADS];
+  for (int g = 0; g < NG; g++) acc[g] = splat8(0.0f);
+  for (long d = 0; d < D; d += 8) {
+    f8 keys[8], dims[8];
+    for (int u = 0; u < 8; u++)
+      keys[u] = rows[u] < 0 ? splat8(0.0f) : kv_load8(a->k_cache, rows[u] + d, bf16);
+    transpose8x8(keys, dims);
+    for (int c = 0; c < 8; c++)
+      for (int g = 0; g < NG; g++) acc[g] = fma8(splat8(qs[g * D + d + c]), dims[c], acc[g]);
+  }
+  for (int g = 0; g < NG; g++) STORE8(scores + g * ld, acc[g]);
+}
+
+/* Pass 1: scores of query heads [h0 * G, h1 * G) over keys [0, n), eight tokens at a
+ * time, their pool offsets stepped through the block table (no division per token). */
+static inline __attribute__((always_inline)) void exact_scores(const attention_args *a,
+                                                               const int64_t *table, long n,
+                                                               long h0, long h1,
+                                                               const float *qs, float *scores,
+                                                               long ld, int bf16) {
+  long D = a->D, G = a->Hq / a->Hkv, row_kv = a->Hkv * D, bs = a->block_size;
+  long block = 0, offset = 0, prefetched = -1;
+  exact_prefetch pf = {0, 0, 0};
+  for (long t0 = 0; t0 < n; t0 += 8) {
+    if (block != prefetched) {
+      exact_prefetch_block(&pf, a, table, block + 1, n, 0, (bs + 7) / 8 * (h1 - h0),
+                           h1 - h0 == a->Hkv, bf16);
+      prefetched = block;
+    }
+    long rows[8];
+    for (int u = 0; u < 8; u++) {
+      rows[u] = t0 + u < n ? table[block] * a->block_stride + offset * row_kv : -1;
+      if (++offset == bs) block++, offset = 0;
+    }
+    for (long h = h0; h < h1; h++) {
+      long kh[8];
+      for (int u = 0; u < 8; u++) kh[u] = rows[u] < 0 ? -1 : rows[u] + h * D;
+      exact_prefetch_step(&pf);
+      for (long g0 = 0; g0 < G; g0 += EXACT_HEADS) {
+        const float *q = qs + (h * G + g0) * D;
+        float *out = scores + (h * G + g0) * ld + t0;
+        switch (G - g0 < EXACT_HEADS ? G - g0 : EXACT_HEADS) {
+          case 1: exact_score_tile(1, a, kh, q, out, ld, bf16); break;
+          case 2: exact_score_tile(2, a, kh, q, out, ld, bf16); break;
+          case 3: exact_score_tile(3, a, kh, q, out, ld, bf16); break;
+          default: exact_score_tile(4, a, kh, q, out, ld, bf16);
+        }
+      }
+    }
+  }
+}
+
+/* sums[g][d + 8c] += sum over the block's `count` tokens (from `values`, one token a
+ * row_kv stride) of p[g][t] * v_t[d + 8c], for NG heads and NV vectors of columns. */
+static inline __attribute__((always_inline)) void exact_value_tile(int NG, int NV,
+                                                                   const attention_args *a,
+                                                                   long values, long count,
+                                                                   const float *p, long ld,
+                                                                   float *sums, int bf16) {
+  long D = a->D, row_kv = a->Hkv * D;
+  f8 acc[EXACT_HEADS][4];
+  for (int g = 0; g < NG; g++)
+    for (int c = 0; c < NV; c++) acc[g][c] = LOAD8(sums + g * D + 8 * c);
+  for (long i = 0; i < count; i++) {
+    f8 v[4];
+    for (int c = 0; c < NV; c++) v[c] = kv_load8(a->v_cache, values + i * row_kv + 8 * c, bf16);
+    for (int g = 0; g < NG; g++) {
+      f8 w = splat8(p[g * ld + i]);
+      for (int c = 0; c < NV; c++) acc[g][c] = fma8(w, v[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < NG; g++)
+    for (int c = 0; c < NV; c++) STORE8(sums + g * D + 8 * c, acc[g][c]);
+}
+
+#define EXACT_VALUES(NG)                                                                  \
+  case NG:                                                                                \
+    for (long d = 0; d < D; d += 8 * nv)                                                  \
+      if (nv == 4)                                                                        \
+        exact_value_tile(NG, 4, a, base + h * D + d, count, p, ld, sums + d, bf16);       \
+      else                                                                                \
+        exact_value_tile(NG, 2, a, base + h * D + d, count, p, ld, sums + d, bf16);       \
+    break;
+
+/* Pass 2: the value sums of query heads [h0 * G, h1 * G) block by block, t in order. */
+static inline __attribute__((always_inline)) void exact_values(const attention_args *a,
+                                                               const int64_t *table, long n,
+                                                               long h0, long h1,
+                                                               const float *scores, long ld,
+                                                               float *all_sums, int bf16) {
+  long D = a->D, G = a->Hq / a->Hkv, bs = a->block_size;
+  exact_prefetch pf = {0, 0, 0};
+  for (long t0 = 0; t0 < n; t0 += bs) {
+    long base = table[t0 / bs] * a->block_stride, count = n - t0 < bs ? n - t0 : bs;
+    exact_prefetch_block(&pf, a, table, t0 / bs + 1, n, 1, h1 - h0, h1 - h0 == a->Hkv, bf16);
+    for (long h = h0; h < h1; h++) {
+      exact_prefetch_step(&pf);
+      for (long g0 = 0; g0 < G; g0 += EXACT_HEADS) {
+        long ng = G - g0 < EXACT_HEADS ? G - g0 : EXACT_HEADS;
+        int nv = ng <= 3 && D % 32 == 0 ? 4 : 2; /* ng * nv sums + nv values <= 16 */
+        const float *p = scores + (h * G + g0) * ld + t0;
+        float *sums = all_sums + (h * G + g0) * D;
+        switch (ng) {
+          EXACT_VALUES(1) EXACT_VALUES(2) EXACT_VALUES(3) EXACT_VALUES(4)
+        }
+      }
+    }
+  }
+}
+
+static inline __attribute__((always_inline)) void exact_heads(const attention_args *a, long r,
+                                                              long h0, long h1,
+                                                              float *scratch, int bf16) {
+  long G = a->Hq / a->Hkv, D = a->D, n = a->context_lens[r];
+  long ld = (a->max_context + 15) / 16 * 16, first = h0 * G * D, width = (h1 - h0) * G * D;
+  const int64_t *table = a->block_tables + r * a->table_stride;
+  float *qs = scratch, *scores = qs + a->Hq * D, *sums = scores + a->Hq * ld;
+  const float *q = a->q + r * a->ldq;
+  for (long i = first; i < first + width; i += 8) {
+    STORE8(qs + i, LOAD8(q + i) * splat8(a->scale));
+    STORE8(sums + i, splat8(0.0f));
+  }
+  exact_scores(a, table, n, h0, h1, qs, scores, ld, bf16);
+  float *out = a->out + r * a->ldo;
+  for (long j = h0 * G; j < h1 * G; j++) {
+    float inv = row_softmax(scores + j * ld, n, n);
+    out[j * D] = inv; /* parked until the values are summed */
+  }
+  exact_values(a, table, n, h0, h1, scores, ld, sums, bf16);
+  for (long j = h0 * G; j < h1 * G; j++) {
+    f8 inv = splat8(out[j * D]);
+    for (long d = 0; d < D; d += 8) STORE8(out + j * D + d, LOAD8(sums + j * D + d) * inv);
+  }
+}
+
+void decode_row_exact(const attention_args *a, long r, long h0, long h1, float *scratch) {
+  if (a->kv_bf16)
+    exact_heads(a, r, h0, h1, scratch, 1);
+  else
+    exact_heads(a, r, h0, h1, scratch, 0);
 }
