@@ -62,7 +62,7 @@ class DecodeWorker(EngineActor):
         self.spec = spec
         self.worker_id = spec.worker_id
         self.role = spec.role
-        self.engine = LLMEngine(spec.engine)
+        self.engine = self._make_engine(spec)
         timer.lap("engine_s")
         self.receiver = None
         if self.role == "decode":
@@ -274,6 +274,7 @@ class DecodeWorker(EngineActor):
             transfer,
             self.last_transfer,
             self.startup,
+            rank_pids=await self._rank_pids(),
         )
 
     async def debug_state(self) -> dict:

@@ -43,7 +43,9 @@ from engine.memory_profile import DeviceSnapshot, profile_memory
 from engine.model import LlamaForward
 from engine.model_runner import ModelRunner
 from engine.model_spec import load_model_spec
+from engine.parallel.capacity import check_weights_fit
 from engine.parallel.group import TPGroup
+from engine.parallel.shard import ModelShard
 from engine.parallel.step_channel import StepChannel
 from engine.penalties import RowHistory
 from engine.prefix_cache import (
@@ -128,6 +130,13 @@ class LLMEngine:
         self.spec = load_model_spec(self.model_dir, self.model_id)
         self.max_model_len = min(
             config.max_model_len or self.spec.context_window, self.spec.context_window
+        )
+        check_weights_fit(
+            self.spec,
+            ModelShard.of(self.spec, self.tp.size, self.tp.rank),
+            config.torch_dtype.itemsize,
+            config.device,
+            config.gpu_memory_utilization,
         )
         baseline = DeviceSnapshot.take(config.device) if config.sizes_kv_from_device else None
         self.model = self._load_model(config.kernels, config.attention_backend)

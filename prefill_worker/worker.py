@@ -59,7 +59,7 @@ class PrefillWorker(EngineActor):
 
         self.spec = spec
         self.worker_id = spec.worker_id
-        self.engine = LLMEngine(spec.engine)
+        self.engine = self._make_engine(spec)
         timer.lap("engine_s")
         self.sender = make_sender(
             spec.transport,
@@ -176,6 +176,7 @@ class PrefillWorker(EngineActor):
             self._engine_loop(),
             self.sender.stats(),
             startup=self.startup,
+            rank_pids=await self._rank_pids(),
         )
 
     async def debug_state(self) -> dict:

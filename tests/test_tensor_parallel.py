@@ -24,7 +24,6 @@ from engine.sampling_params import SamplingParams
 from engine.weights import load_weights
 from tests.factories import (
     TP_FAMILIES,
-    LazyModelDirs,
     assert_no_leaks,
     hf_greedy,
     make_engine,
@@ -38,8 +37,8 @@ PROMPT_LENGTHS = (5, 17, 30)
 
 
 @pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory):
-    return LazyModelDirs(tmp_path_factory.mktemp("tp_models"))
+def model_dirs(tp_model_dirs):
+    return tp_model_dirs
 
 
 # --- who owns what ------------------------------------------------------------------

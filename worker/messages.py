@@ -153,3 +153,7 @@ class HealthReport:
     token and per decode sequence (None until it has run such steps)."""
     cpu_s: float = 0.0
     """CPU seconds (user + system, every thread) the worker process has used so far."""
+    tp_size: int = 1
+    """Tensor-parallel ranks of this worker (`pid` is rank 0's process)."""
+    rank_pids: tuple[int, ...] = ()
+    """The processes of ranks 1..tp_size-1, in rank order (drills kill them too)."""

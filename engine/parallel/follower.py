@@ -28,7 +28,9 @@ from engine.llm_engine import size_pool, tp_config
 from engine.memory_profile import DeviceSnapshot
 from engine.model import LlamaForward
 from engine.model_spec import load_model_spec
+from engine.parallel.capacity import check_weights_fit
 from engine.parallel.group import TPGroup
+from engine.parallel.shard import ModelShard
 from engine.parallel.step_channel import StepChannel
 from engine.threads import single_threaded
 
@@ -49,6 +51,13 @@ class FollowerEngine:
         self.spec = load_model_spec(self.model_dir, self.model_id)
         self.max_model_len = min(
             config.max_model_len or self.spec.context_window, self.spec.context_window
+        )
+        check_weights_fit(
+            self.spec,
+            ModelShard.of(self.spec, self.tp.size, self.tp.rank),
+            config.torch_dtype.itemsize,
+            config.device,
+            config.gpu_memory_utilization,
         )
         baseline = DeviceSnapshot.take(config.device) if config.sizes_kv_from_device else None
         with single_threaded():
