@@ -36,8 +36,8 @@ from worker.health import (
     StartupTimer,
     engine_state,
     health_report,
-    node_ip,
 )
+from worker.kv_shards import ShardedReceiver, make_rank_receiver
 from worker.messages import (
     DecodeRequest,
     ErrorEvent,
@@ -66,14 +66,10 @@ class DecodeWorker(EngineActor):
         timer.lap("engine_s")
         self.receiver = None
         if self.role == "decode":
-            from kv_transfer.registry import make_receiver
-
-            self.receiver = make_receiver(
-                spec.transport,
-                spec.worker_id,
-                self.engine.kv_pool,
-                spec.transport_options_on(node_ip()),
-            )
+            engine = self.engine
+            self.receiver = make_rank_receiver(spec, 0, engine.kv_pool, engine.max_model_len)
+            if self.ranks is not None:
+                self.receiver = ShardedReceiver(self.receiver, self.ranks.followers)
         timer.lap("transport_s")
         self.startup = timer.durations
         self.fetch_pool = ThreadPoolExecutor(_FETCH_THREADS, thread_name_prefix="kv-fetch")
@@ -252,6 +248,7 @@ class DecodeWorker(EngineActor):
             self.worker_id,
             reused_blocks=held,
             moved_blocks=len(ticket.block_ids) - held if result.ok else 0,
+            slices=tuple(result.slices),
         )
         self.loop.deliver(ticket.request_id, event)
 

@@ -91,7 +91,11 @@ class ImportEvent:
     """Leading blocks of the export the decode worker's prefix cache already held: not
     moved (its hits, stated in the pull)."""
     moved_blocks: int = 0
-    """Blocks the transfer wrote (`num_bytes` = moved_blocks x block bytes)."""
+    """Blocks the transfer wrote (`num_bytes` = moved_blocks x block bytes; across
+    tensor-parallel layouts, the bytes every rank pulled, staged slices whole)."""
+    slices: tuple = ()
+    """`kv_transfer.SliceReceipt` per head slice, where the import went between
+    tensor-parallel layouts: sender rank, receiver rank, KV heads, bytes, checksum."""
 
 
 TokenEvent = TokenDelta

@@ -9,7 +9,7 @@ a follower's death is the worker's death. Its process dies with rank 0 (Ray kill
 actors an actor owns when it dies) and with its placement group.
 
 KV: each follower has its own transport, over its own pool, and rank 0 asks it
-(`KVShard` calls) to export, release, fetch or cancel the same blocks it does.
+(worker/kv_shards.py) to export, release, fetch or cancel the same blocks it does.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ import torch.distributed as dist
 from engine.cpu_affinity import pin_process
 from engine.parallel.follower import FollowerEngine
 from engine.parallel.group import TPGroup
+from kv_transfer.base import ExportTicket, TransferResult
+from worker.kv_shards import make_rank_receiver, make_rank_sender
 from worker.spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -69,12 +71,18 @@ class RankFollower:
             dist.PrefixStore(address.prefix, store), rank, spec.tp_size, spec.device
         )
         self.engine = FollowerEngine(spec.engine, self.tp)
+        self.sender = self.receiver = None
+        """This rank's KV transport: a sender on a prefill worker, a receiver on a
+        decode worker (none on a colocated one), over this rank's pool."""
+        if spec.role == "prefill":
+            self.sender = make_rank_sender(spec, rank, self.engine.kv_pool)
+        elif spec.role == "decode":
+            pool, longest = self.engine.kv_pool, self.engine.max_model_len
+            self.receiver = make_rank_receiver(spec, rank, pool, longest)
         self.failure: BaseException | None = None
         self.thread = threading.Thread(target=self._serve, name=f"tp-rank-{rank}", daemon=True)
         self.thread.start()
         self.stopped: asyncio.Event | None = None
-        self.shard = None
-        """This rank's KV transport (`worker.kv_shard.KVShard`), once rank 0 made it."""
 
     def _serve(self) -> None:
         try:
@@ -94,6 +102,48 @@ class RankFollower:
             self.rank, os.getpid(), self.engine.steps, *weight_and_kv_bytes(self.engine)
         )
 
+    # --- KV, as rank 0 asks (worker/kv_shards.py) --------------------------------------
+
+    async def export(
+        self, request_id: str, block_ids: list[int], num_tokens: int, peer_id: str
+    ) -> ExportTicket:
+        """Pin this rank's copy of the blocks rank 0 exports (rank 0's step that wrote
+        them is over on every rank: its logits gather waited for this one)."""
+        self._drain_released()
+        return await asyncio.to_thread(
+            self.sender.export, request_id, block_ids, num_tokens, peer_id
+        )
+
+    async def ack(self, request_id: str) -> None:
+        self.sender.ack(request_id)
+        self._drain_released()
+
+    async def abort(self, request_id: str) -> None:
+        self.sender.abort(request_id)
+        self._drain_released()
+
+    async def leases(self) -> list[str]:
+        """Exports this rank still pins (every rank's must end empty)."""
+        return self.sender.leased_request_ids() if self.sender is not None else []
+
+    def _drain_released(self) -> None:
+        """Released exports' block ids: rank 0's allocator frees the blocks for every
+        rank, so a follower only empties its registry's queue."""
+        if self.sender is not None:
+            self.sender.poll_released()
+
+    async def fetch(
+        self, ticket: ExportTicket, dst_block_ids: list[int], timeout_s: float, held_blocks: int
+    ) -> TransferResult:
+        """Pull this rank's heads of the export into the blocks rank 0 reserved."""
+        return await asyncio.to_thread(
+            self.receiver.fetch, ticket, dst_block_ids, timeout_s, held_blocks
+        )
+
+    async def cancel(self, request_id: str) -> None:
+        if self.receiver is not None:
+            self.receiver.cancel(request_id)
+
     async def wait_until_stopped(self) -> None:
         """Rank 0's death watch: returns only at shutdown."""
         self.stopped = self.stopped or asyncio.Event()
@@ -102,8 +152,9 @@ class RankFollower:
     async def shutdown(self) -> None:
         if self.stopped is not None:
             self.stopped.set()
-        if self.shard is not None:
-            self.shard.close()
+        for transport in (self.sender, self.receiver):
+            if transport is not None:
+                transport.close()
         self.thread.join(timeout=5)
 
 
