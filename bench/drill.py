@@ -20,6 +20,7 @@ what a driver death does (see docs/operations.md).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -38,6 +39,7 @@ _SOAK_SEED = 12
 _HIT_WAIT_S = 5.0
 """How long a kill waits for a worker of its role to hold a request before it misses."""
 _ROLE_DRAWS = random.Random(_SOAK_SEED)
+_RANK_DRAWS = random.Random(_SOAK_SEED + 1)
 """The role of each `--kill random` kill, in a sequence a soak repeats when rerun."""
 
 
@@ -209,15 +211,17 @@ def parse_duration(text: str) -> float:
 async def kill_schedule(admin, args, times, start, kills, watchers) -> None:
     for when in times:
         await asyncio.sleep(max(0.0, start + when - time.perf_counter()))
-        kill = await strike(admin, args.kill, _SIGNALS[args.signal], start)
+        kill = await strike(admin, args.kill, _SIGNALS[args.signal], start, args.rank)
         kills.append(kill)
         if kill.hit:
             watchers.append(asyncio.create_task(_watch_kill(admin, kill)))
 
 
-async def strike(admin: Admin, role: str, sig: int, start: float) -> KillEvent:
+async def strike(admin: Admin, role: str, sig: int, start: float, rank: str | int = 0) -> KillEvent:
     """Kill the worker of `role` that holds the most requests; a miss when none holds one
-    within `_HIT_WAIT_S`. For `random` a role is drawn first, evenly over the cluster's
+    within `_HIT_WAIT_S`. `rank`: which of a tensor-parallel worker's processes dies (an
+    index into its `rank_pids`, or `random`: drawn among them, seeded), the whole worker
+    with it. For `random` a role is drawn first, evenly over the cluster's
     roles (seeded), and waited for as long; only then does any loaded worker do.
     Drawing among the roles loaded at that instant picked decode workers for all 59
     kills of a soak whose prefill workers are busy a fifth of the time."""
@@ -235,14 +239,22 @@ async def strike(admin: Admin, role: str, sig: int, start: float) -> KillEvent:
         if time.monotonic() > deadline:
             return KillEvent(time.perf_counter() - start, "-", role, None, 0)
         await asyncio.sleep(_POLL_S)
-    os.kill(victim["pid"], sig)
+    chosen_rank, pid = victim_rank(victim, rank)
+    os.kill(pid, sig)
     killed_at = time.perf_counter()
-    kill = KillEvent(
-        killed_at - start, victim["worker_id"], victim["role"], victim["pid"], held(victim)
-    )
+    kill = KillEvent(killed_at - start, victim["worker_id"], victim["role"], pid, held(victim))
+    kill.rank, kill.worker_pid = chosen_rank, victim["pid"]
     kill.killed_at = killed_at
     kill.strength_before = _routed(workers, victim["role"])
     return kill
+
+
+def victim_rank(worker: dict, rank: str | int) -> tuple[int, int]:
+    """(rank, pid) of the process of `worker` to kill; a rank it does not have is the
+    highest it has (a drill against mixed pools names one rank for all of them)."""
+    pids = worker.get("rank_pids") or [worker["pid"]]
+    chosen = _RANK_DRAWS.randrange(len(pids)) if rank == "random" else min(int(rank), len(pids) - 1)
+    return chosen, pids[chosen]
 
 
 def held(worker: dict) -> int:
@@ -290,7 +302,7 @@ async def _watch_kill(admin: Admin, kill: KillEvent) -> None:
         me = next(w for w in workers if w["worker_id"] == kill.worker_id)
         if kill.detected_after_s is None and not me["alive"]:
             kill.detected_after_s = max(0.0, elapsed - (me.get("dead_for_s") or 0.0))
-        back = me["alive"] and me.get("pid") != kill.pid
+        back = me["alive"] and me.get("pid") != (kill.worker_pid or kill.pid)
         # When the victim came back, to the moment (a look may come a second later).
         back_after = elapsed - (me.get("alive_for_s") or 0.0) if back else None
         if kill.detected_after_s is None and back:
@@ -394,6 +406,14 @@ def add_drill_parser(sub) -> None:
     parser.add_argument(
         "--signal", choices=sorted(_SIGNALS), default="kill", help="kill: SIGKILL, term: SIGTERM"
     )
+    parser.add_argument(
+        "--rank",
+        type=_rank_choice,
+        default=0,
+        help="which process of a tensor-parallel victim to kill: its rank (0, the default, "
+        "is the worker's own actor; a higher one is a follower, whose death takes the "
+        "worker down as a whole) or `random`; the scorecard names the rank",
+    )
     parser.add_argument("--model", default=None, help="model id (default: the server's)")
     parser.add_argument(
         "--api-key",
@@ -417,6 +437,14 @@ def add_drill_parser(sub) -> None:
     )
     parser.add_argument("--json", default=None, help="write the report as JSON to this file")
     parser.set_defaults(func=_run_drill_cli)
+
+
+def _rank_choice(text: str) -> str | int:
+    if text == "random":
+        return text
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"--rank takes a rank (0, 1, ...) or random, not {text!r}")
+    return int(text)
 
 
 def _run_drill_cli(args) -> int:

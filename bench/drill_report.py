@@ -38,6 +38,12 @@ class KillEvent:
     """Kill until the role had as many workers taking requests as before."""
     recovered_after_s: float | None = None
     """Kill until the same worker was alive again, as a new process."""
+    rank: int = 0
+    """The tensor-parallel rank of the worker whose process was killed (0: the worker's
+    own actor; a higher one takes the whole worker down with it)."""
+    worker_pid: int | None = None
+    """The worker's rank-0 process at the kill (`pid` itself, unless `rank` > 0): it
+    changes when the worker is back."""
 
     @property
     def hit(self) -> bool:
@@ -256,7 +262,8 @@ def format_report(report: DrillReport) -> str:
             lines.append(f"  MISS at {kill.at_s:.2f}s: no {kill.role} worker held a request")
             continue
         lines.append(
-            f"  killed {kill.worker_id} (pid {kill.pid}, {kill.held_requests} requests) at "
+            f"  killed {kill.worker_id}{_rank(kill)} (pid {kill.pid}, {kill.held_requests} "
+            "requests) at "
             f"{kill.at_s:.2f}s: detected {fmt(kill.detected_after_s)}s, full strength "
             f"{fmt(kill.full_strength_after_s)}s, restarted {fmt(kill.recovered_after_s)}s"
         )
@@ -270,3 +277,8 @@ def format_report(report: DrillReport) -> str:
             lines.append(f"{'soak ' + name:<36}{value}")
     lines.append("PASS" if report.passed else "FAIL")
     return "\n".join(lines)
+
+
+def _rank(kill: KillEvent) -> str:
+    """` rank N` for a kill of a tensor-parallel worker's rank N > 0."""
+    return f" rank {kill.rank}" if kill.rank else ""

@@ -6,7 +6,7 @@ actor starts. Besides its own keys the config has three sections, each a frozen
 dataclass of its own and a nested mapping in YAML:
 
     prefill: {workers: 2, kv_blocks: 1024}      # PoolConfig: the prefill pool
-    decode: {workers: 2, kv_blocks: 4096}       # PoolConfig: the decode pool
+    decode: {workers: 1, kv_blocks: 4096, tp: 2}  # PoolConfig: the decode pool
     transport: {name: grpc, chunk_bytes: ...}   # TransportConfig: the KV transport
 
 Each value has one owner: the transport's options (lease, timeouts, binds, TLS,
@@ -35,6 +35,8 @@ RouterPolicy = Literal["round_robin", "least_loaded", "power_of_two", "cache_awa
 FirstTokenFrom = Literal["prefill", "decode"]
 DisaggregationMode = Literal["always", "never", "auto"]
 
+POOL_RESOURCES = {"prefill": "prefill_pool", "decode": "decode_pool", "colocated": "decode_pool"}
+"""Role -> the custom resource a node advertises per worker of that role it takes."""
 COLOCATED_CPU_STEP_TOKENS = 1024
 """Default step cap of a colocated CPU worker (`ClusterConfig.colocated_step_tokens`)."""
 DECODE_SIDE_PREFILL_CPU_STEP_TOKENS = 256
@@ -77,10 +79,18 @@ class PoolConfig:
     """Step budget of each worker of the pool, in tokens (prefill: on CPUs also the cap
     of a colocated worker's step). None: a default per role and device (see
     `ClusterConfig.prefill_step_tokens`, `decode_step_tokens`, `colocated_step_tokens`)."""
+    tp: int = 1
+    """Tensor-parallel ranks per worker: each worker of the pool is this many processes
+    on one node (a STRICT_PACK placement group; one GPU each on GPU pools), each holding
+    its share of every layer's heads and of the MLP, and its heads' KV."""
 
     def check(self, section: str) -> None:
         """Called by `ClusterConfig.__post_init__`, which names the section."""
-        values = {"workers": (self.workers, 0), "kv_blocks": (self.kv_blocks, 1)}
+        values = {
+            "workers": (self.workers, 0),
+            "kv_blocks": (self.kv_blocks, 1),
+            "tp": (self.tp, 1),
+        }
         if self.batch_tokens is not None:
             values["batch_tokens"] = (self.batch_tokens, 1)
         for name, (value, least) in values.items():
@@ -147,7 +157,8 @@ class ClusterConfig(ModelSettings):
     is pinned on GPU pools, a joined Ray cluster, with warm spares, or with more worker
     threads than cores."""
     gpus_per_worker: float = 0.0
-    """GPUs per worker on GPU pools; 0 runs on CPU."""
+    """GPUs per worker on GPU pools; 0 runs on CPU. A worker of a pool with `tp` > 1
+    takes one GPU per rank (`tp` GPUs), so it must be 1 there."""
     transport: TransportConfig = TransportConfig()
     """How KV moves from prefill to decode workers: the transport and its options."""
     router_policy: RouterPolicy = "least_loaded"
@@ -219,6 +230,7 @@ class ClusterConfig(ModelSettings):
                 "prestarted_workers would hold a GPU per process with no engine on it; "
                 "on GPU pools use standby_workers (warm spares) instead"
             )
+        self._check_tp()
         restarts = (
             "max_restarts",
             "restart_backoff_s",
@@ -243,6 +255,46 @@ class ClusterConfig(ModelSettings):
             self.engine_config("prefill")
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
+
+    def _check_tp(self) -> None:
+        split = {name: self.pool(name).tp for name in self.roles_in_use if self.pool(name).tp > 1}
+        if not split:
+            return
+        pools = ", ".join(f"{name}.tp={tp}" for name, tp in split.items())
+        if self.gpus_per_worker and self.gpus_per_worker != 1:
+            raise ConfigError(
+                f"{pools}: a tensor-parallel worker takes one whole GPU per rank; "
+                f"gpus_per_worker={self.gpus_per_worker} would share or split them (set it to 1)"
+            )
+        if self.prestarted_workers:
+            raise ConfigError(
+                f"{pools}: prestarted_workers start one process per worker, not a group of "
+                "ranks; use standby_workers (warm spares) for tensor-parallel pools"
+            )
+
+    @property
+    def roles_in_use(self) -> tuple[str, ...]:
+        """The pool sections this mode starts workers of."""
+        return ("prefill", "decode") if self.mode == "disaggregated" else ("decode",)
+
+    def check_tp(self, spec) -> None:
+        """Called by the cluster once the model is known (its `ModelSpec`), before any
+        process starts: every pool's `tp` must split the model's heads, and KV moves
+        between the pools' splits head slice by head slice. A split that cannot work
+        is refused naming both pools, never found out by a hang or a wrong answer."""
+        from engine.parallel.shard import ModelShard, TPSplitError
+
+        sides = {name: self.pool(name).tp for name in self.roles_in_use}
+        named = " and ".join(f"{name}.tp={tp}" for name, tp in sides.items())
+        for name, tp in sides.items():
+            try:
+                ModelShard.of(spec, tp, 0)
+            except TPSplitError as exc:
+                raise ConfigError(
+                    f"{name}.tp={tp} cannot serve {spec.model_id} ({spec.num_heads} attention "
+                    f"heads, {spec.num_kv_heads} KV heads, intermediate "
+                    f"{spec.intermediate_size}) with {named}: {exc.message}"
+                ) from None
 
     def _check_transport(self) -> None:
         """A transport that cannot connect two worker processes would make every request
@@ -279,6 +331,17 @@ class ClusterConfig(ModelSettings):
     def device(self) -> str:
         return "cuda" if self.gpus_per_worker > 0 else "cpu"
 
+    def gpus_per_rank(self, role: str) -> float:
+        """GPUs each process of a worker of `role` asks Ray for: `gpus_per_worker` on a
+        pool of one rank per worker, one per rank on a tensor-parallel pool."""
+        if not self.gpus_per_worker:
+            return 0.0
+        return 1.0 if self.tp_of(role) > 1 else self.gpus_per_worker
+
+    def tp_of(self, role: str) -> int:
+        """Ranks of a worker of `role` (colocated workers are the `decode` pool)."""
+        return self.pool("prefill" if role == "prefill" else "decode").tp
+
     def pool(self, role: Literal["prefill", "decode"]) -> PoolConfig:
         """The section of `role` (colocated workers are the `decode` pool)."""
         return self.prefill if role == "prefill" else self.decode
@@ -307,9 +370,7 @@ class ClusterConfig(ModelSettings):
         that serve at once (spares wait idle, so they do not count)."""
         if self.threads_per_worker is not None:
             return self.threads_per_worker
-        serving = self.decode.workers + (
-            self.prefill.workers if self.mode == "disaggregated" else 0
-        )
+        serving = sum(self.pool(name).workers * self.pool(name).tp for name in self.roles_in_use)
         return max(1, (os.cpu_count() or 1) // serving)
 
     @property
@@ -389,7 +450,17 @@ class ClusterConfig(ModelSettings):
             transport=self.transport.name,
             transport_options=None if role == "colocated" else self.kv_transport_options(),
             on_transfer_failure=self.on_transfer_failure,
+            tp_size=self.tp_of(role),
+            rank_resources=self.rank_resources(role),
+            rank_gpus=self.gpus_per_rank(role),
         )
+
+    def rank_resources(self, role: str) -> dict[str, float]:
+        """The custom resources each rank of a worker of `role` asks Ray for: a worker
+        takes one unit of its pool's resource (`POOL_RESOURCES`) whatever its `tp`, its
+        ranks a 1/tp share each, so a node that advertises one unit per worker takes one
+        tensor-parallel worker as it takes one of a single rank."""
+        return {POOL_RESOURCES[role]: round(1.0 / self.tp_of(role), 4)}
 
     def replace(self, **changes: Any) -> ClusterConfig:
         """A copy with `changes`; a section's change may be a mapping of some of its keys,

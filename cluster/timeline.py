@@ -11,6 +11,7 @@ the call's overhead (Ray, the network, the worker's event loop).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
@@ -61,9 +62,9 @@ class RequestTimeline:
         self.prefill_sent, self.prefill_answered, self.prefill = sent, answered, result
         self.prefill_worker = result.worker_id
         self.cached_tokens = min(result.first.num_cached_tokens, self.num_prompt_tokens)
-        layout = getattr(result.ticket, "layout", None)
-        if layout is not None:
-            self.kv_block_bytes = layout.block_nbytes
+        block_nbytes = getattr(result.ticket, "block_nbytes", None)  # over every rank's pool
+        if block_nbytes is not None:
+            self.kv_block_bytes = block_nbytes
 
     def on_import(self, sent: float, received: float, event: ImportEvent) -> None:
         self.decode_sent, self.import_received, self.imported = sent, received, event
@@ -105,6 +106,7 @@ class RequestTimeline:
             "recoveries": list(self.recoveries),
             "recovery_paths": list(self.recovery_paths),
             "transfer_failure": self.transfer_failure,
+            "kv_slices": [dataclasses.asdict(s) for s in imported.slices] if imported else [],
             **self.reuse(),
             "route": dict(self.route),
             "disaggregation": self.disaggregation,

@@ -36,8 +36,8 @@ from worker.health import (
     StartupTimer,
     engine_state,
     health_report,
-    node_ip,
 )
+from worker.kv_shards import ShardedReceiver, make_rank_receiver
 from worker.messages import (
     DecodeRequest,
     ErrorEvent,
@@ -62,18 +62,14 @@ class DecodeWorker(EngineActor):
         self.spec = spec
         self.worker_id = spec.worker_id
         self.role = spec.role
-        self.engine = LLMEngine(spec.engine)
+        self.engine = self._make_engine(spec)
         timer.lap("engine_s")
         self.receiver = None
         if self.role == "decode":
-            from kv_transfer.registry import make_receiver
-
-            self.receiver = make_receiver(
-                spec.transport,
-                spec.worker_id,
-                self.engine.kv_pool,
-                spec.transport_options_on(node_ip()),
-            )
+            engine = self.engine
+            self.receiver = make_rank_receiver(spec, 0, engine.kv_pool, engine.max_model_len)
+            if self.ranks is not None:
+                self.receiver = ShardedReceiver(self.receiver, self.ranks.followers)
         timer.lap("transport_s")
         self.startup = timer.durations
         self.fetch_pool = ThreadPoolExecutor(_FETCH_THREADS, thread_name_prefix="kv-fetch")
@@ -252,6 +248,7 @@ class DecodeWorker(EngineActor):
             self.worker_id,
             reused_blocks=held,
             moved_blocks=len(ticket.block_ids) - held if result.ok else 0,
+            slices=tuple(result.slices),
         )
         self.loop.deliver(ticket.request_id, event)
 
@@ -274,6 +271,7 @@ class DecodeWorker(EngineActor):
             transfer,
             self.last_transfer,
             self.startup,
+            rank_pids=await self._rank_pids(),
         )
 
     async def debug_state(self) -> dict:

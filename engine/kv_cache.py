@@ -25,6 +25,7 @@ import torch
 
 from engine.host_memory import huge_page_tensor
 from engine.model_spec import ModelSpec
+from engine.parallel.shard import ModelShard, Span
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,38 @@ class KVLayout:
     """The widest sliding window of any layer (0: none)."""
     sliding_layers: str = ""
     """Comma-separated indices of the layers that slide (plain text: tickets are JSON)."""
+    tp_size: int = 1
+    """Ranks of the tensor-parallel worker whose pool this is (1: not split)."""
+    tp_rank: int = 0
+    kv_head_start: int = 0
+    """The model's first KV head this pool holds; it holds `num_kv_heads` from there."""
+    total_kv_heads: int = 0
+    """The model's KV heads (0: `num_kv_heads`, an unsplit pool)."""
+
+    @property
+    def kv_heads(self) -> Span:
+        """The model's KV heads this pool holds."""
+        return Span(self.kv_head_start, self.num_kv_heads)
+
+    @property
+    def model_kv_heads(self) -> int:
+        return self.total_kv_heads or self.num_kv_heads
+
+    def same_kv(self, other: KVLayout) -> bool:
+        """Whether `other`'s blocks mean the same model's KV as ours, whatever heads
+        each holds (what must agree before heads move between pools)."""
+        return self.unsplit() == other.unsplit()
+
+    def unsplit(self) -> KVLayout:
+        """This layout as a single rank holding every head would have it."""
+        return dataclasses.replace(
+            self,
+            num_kv_heads=self.model_kv_heads,
+            tp_size=1,
+            tp_rank=0,
+            kv_head_start=0,
+            total_kv_heads=0,
+        )
 
     # Cached: a KV receiver reads these on every fetch (a frozen dataclass still has a
     # __dict__ for cached_property to fill).
@@ -66,17 +99,25 @@ class KVLayout:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     @classmethod
-    def for_model(cls, spec: ModelSpec, dtype: torch.dtype, block_size: int) -> KVLayout:
+    def for_model(
+        cls, spec: ModelSpec, dtype: torch.dtype, block_size: int, shard: ModelShard | None = None
+    ) -> KVLayout:
+        """The pool layout of `spec` (of a tensor-parallel rank's `shard`: its KV heads)."""
+        split = shard is not None and not shard.whole
         return cls(
             model_id=spec.model_id,
             dtype=str(dtype).removeprefix("torch."),
             num_layers=spec.num_layers,
-            num_kv_heads=spec.num_kv_heads,
+            num_kv_heads=shard.heads.kv.count if split else spec.num_kv_heads,
             head_dim=spec.head_dim,
             block_size=block_size,
             architecture=spec.architecture,
             sliding_window=spec.sliding_window or 0,
             sliding_layers=",".join(map(str, spec.sliding_layers())),
+            tp_size=shard.size if split else 1,
+            tp_rank=shard.rank if split else 0,
+            kv_head_start=shard.heads.kv.start if split else 0,
+            total_kv_heads=spec.num_kv_heads if split else 0,
         )
 
 

@@ -18,6 +18,7 @@ scheduler lets later sequences start from them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import OrderedDict, deque
@@ -42,6 +43,10 @@ from engine.memory_profile import DeviceSnapshot, profile_memory
 from engine.model import LlamaForward
 from engine.model_runner import ModelRunner
 from engine.model_spec import load_model_spec
+from engine.parallel.capacity import check_weights_fit
+from engine.parallel.group import TPGroup
+from engine.parallel.shard import ModelShard
+from engine.parallel.step_channel import StepChannel
 from engine.penalties import RowHistory
 from engine.prefix_cache import (
     CacheReport,
@@ -112,7 +117,12 @@ class StepRecord:
 class LLMEngine:
     """Synchronous engine; not thread-safe: one owner calls add/abort/step."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, tp: TPGroup | None = None):
+        """`tp`: the tensor-parallel group when this engine is rank 0 of a worker of
+        several ranks (its followers, `engine.parallel.follower`, run every step it
+        runs); None: the whole model here."""
+        self.tp = tp or TPGroup.single(config.device)
+        config = tp_config(config, self.tp)
         self.num_threads = config.num_threads or torch.get_num_threads()
         """torch threads of every step, set on the thread that steps (`step`)."""
         self.config = config
@@ -121,17 +131,33 @@ class LLMEngine:
         self.max_model_len = min(
             config.max_model_len or self.spec.context_window, self.spec.context_window
         )
+        check_weights_fit(
+            self.spec,
+            ModelShard.of(self.spec, self.tp.size, self.tp.rank),
+            config.torch_dtype.itemsize,
+            config.device,
+            config.gpu_memory_utilization,
+        )
         baseline = DeviceSnapshot.take(config.device) if config.sizes_kv_from_device else None
         self.model = self._load_model(config.kernels, config.attention_backend)
         self.kv_window = self.spec.kv_window(self.max_model_len)
         """Every layer's sliding window when all of them slide: KV blocks behind it are
         freed as sequences advance (engine/sliding_window.py); None otherwise."""
-        self.layout = KVLayout.for_model(self.spec, self.model.kv_dtype, config.block_size)
-        self.kv_sizing: KVSizing | None = self._size_pool(baseline) if baseline else None
+        self.layout = KVLayout.for_model(
+            self.spec, self.model.kv_dtype, config.block_size, self.model.shard
+        )
+        self.kv_sizing: KVSizing | None = (
+            size_pool(self.model, self.layout, config, self.max_model_len, baseline)
+            if baseline
+            else None
+        )
         """How the pool was sized from the device (None: the config fixed its blocks)."""
         num_blocks = self.kv_sizing.num_blocks if self.kv_sizing else config.fixed_kv_blocks
+        num_blocks = self.tp.all_min(num_blocks)  # block ids mean the same on every rank
         with single_threaded():
             self.kv_pool = KVCachePool(self.layout, num_blocks, config.device)
+        self.channel = StepChannel(self.tp) if self.tp.parallel else None
+        """Where rank 0 of a TP worker sends each step for its followers (None: one rank)."""
         self.allocator = BlockAllocator(
             num_blocks, self._prefix_cache(config), keep_scratch=config.scratch_blocks > 0
         )
@@ -168,31 +194,16 @@ class LLMEngine:
                 kv_dtype=self.config.kv_torch_dtype,
                 block_size=self.config.block_size,
                 deterministic=self.config.deterministic,
+                tp=self.tp,
             )
-
-    def _size_pool(self, baseline: DeviceSnapshot) -> KVSizing:
-        """The pool's blocks from `gpu_memory_utilization`, after profiling what the
-        weights, the largest step and the CUDA graphs take (engine/memory_profile.py);
-        raises KVMemoryError (a ValueError) when not one max_model_len sequence fits."""
-        config = self.config
-        profile = profile_memory(self.model, self.layout, config, self.max_model_len, baseline)
-        return size_kv_pool(
-            baseline.total_bytes,
-            profile.used_bytes,
-            config.gpu_memory_utilization,
-            self.layout.block_nbytes,
-            block_size=config.block_size,
-            max_model_len=self.max_model_len,
-            scratch_blocks=config.scratch_blocks,
-            # What is free now must also hold the graphs and a step's activations.
-            free_bytes=max(0, profile.free_bytes - profile.graph_bytes - profile.activation_bytes),
-        )
 
     def rebuild_model(
         self, kernels: KernelChoice = "auto", attention: AttentionChoice | None = None
     ) -> None:
         """The forward rebuilt on another kernel set / attention backend, over the same
         pool; called by `pdserve bench engine --kernels` and the tests of each path."""
+        if self.tp.parallel:
+            raise ValueError("a tensor-parallel engine's followers cannot rebuild their model")
         self.model = self._load_model(kernels, attention)
         self.runner = self._runner()
 
@@ -205,9 +216,17 @@ class LLMEngine:
             cuda_graphs=self.config.cuda_graphs,
             scratch_block=self.allocator.scratch_block,
             max_model_len=self.max_model_len,
+            channel=self.channel,
         )
         runner.capture_graphs(self.config.max_num_seqs)
         return runner
+
+    def stop_followers(self) -> None:
+        """Called once by a TP worker's rank 0 at shutdown, after its engine thread
+        stopped (the channel is that thread's while it runs): every follower's loop
+        ends. A no-op on one rank."""
+        if self.channel is not None:
+            self.channel.stop()
 
     # --- requests -----------------------------------------------------------------
 
@@ -630,6 +649,40 @@ class LLMEngine:
         while self.has_unfinished():
             self.step()
         return seqs
+
+
+def tp_config(config: EngineConfig, tp: TPGroup) -> EngineConfig:
+    """The config a rank of `tp` runs: without CUDA graphs on several ranks (their
+    all-reduces are not captured), which also keeps every rank's pool the same size."""
+    if tp.parallel and config.cuda_graphs:
+        return dataclasses.replace(config, cuda_graphs=False)
+    return config
+
+
+def size_pool(
+    model: LlamaForward,
+    layout: KVLayout,
+    config: EngineConfig,
+    max_model_len: int,
+    baseline: DeviceSnapshot,
+) -> KVSizing:
+    """The pool's blocks from `gpu_memory_utilization`, after profiling what the
+    weights, the largest step and the CUDA graphs take (engine/memory_profile.py);
+    raises KVMemoryError (a ValueError) when not one max_model_len sequence fits. Every
+    rank of a TP worker calls it at the same point of its start (the profiling step's
+    all-reduces meet), then they agree on the smallest count."""
+    profile = profile_memory(model, layout, config, max_model_len, baseline)
+    return size_kv_pool(
+        baseline.total_bytes,
+        profile.used_bytes,
+        config.gpu_memory_utilization,
+        layout.block_nbytes,
+        block_size=config.block_size,
+        max_model_len=max_model_len,
+        scratch_blocks=config.scratch_blocks,
+        # What is free now must also hold the graphs and a step's activations.
+        free_bytes=max(0, profile.free_bytes - profile.graph_bytes - profile.activation_bytes),
+    )
 
 
 def _truncate_at_stop(seq: Sequence) -> bool:

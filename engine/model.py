@@ -16,6 +16,16 @@ its extra steps in torch ops on the same tensors (`engine.layer_ops.project`,
 `rms_norm`, `engine.moe`), and its windowed or soft-capped layers on the reference
 attention (`engine.masked_attention`) whatever the backend.
 
+Tensor parallelism (`tp`, engine/parallel/): the same code runs a rank's shard of the
+model (engine/parallel/shard.py says which heads, intermediate slice and vocabulary rows
+it holds, and the loader reads only those). The projections are simply narrower; the
+row-parallel ones (o, down, and a mixture's experts) add into zeros, whose sum over the
+ranks one all-reduce makes before the residual add (`_add_reduced`); the embedding is
+vocab-parallel (rows of other ranks look up zeros, then the all-reduce) and the LM head
+computes each rank's vocabulary slice, gathered (`_logits`). Norms that follow a
+projection (Gemma's) run on the reduced sum. The fused native decode step cannot stop
+for an all-reduce, so a rank of several runs layer by layer.
+
 The residual stream stays in float32 whatever the weights' dtype: with bf16 weights,
 a bf16 residual (8-bit mantissa) drops layer updates that are small next to its
 outliers (SmolLM2 reaches ~25000, where one bf16 step is 128): on the demo model the
@@ -56,6 +66,8 @@ from engine.layer_ops import (
 from engine.model_spec import ModelSpec
 from engine.moe import moe_mlp
 from engine.native.decode_step import DecodeRows, FusedDecode, FusedStep
+from engine.parallel.group import TPGroup
+from engine.parallel.shard import ModelShard
 from engine.rope import RotaryEmbedding
 from engine.threads import ThreadChoice
 from engine.weight_cache import load_prepared_weights
@@ -80,13 +92,21 @@ class LlamaForward:
         kv_dtype: torch.dtype | None = None,
         block_size: int = 16,
         deterministic: bool = False,
+        tp: TPGroup | None = None,
     ):
         """`deterministic`: batch-invariant layer ops and attention (the `deterministic`
-        setting); raises ValueError where this device and these choices have none."""
+        setting); raises ValueError where this device and these choices have none.
+        `tp`: this rank's tensor-parallel group (None: the whole model here)."""
         self.spec = spec
         self.dtype = dtype
         self.device = device
         self.deterministic = deterministic
+        self.tp = tp or TPGroup.single(device)
+        self.shard = ModelShard.of(spec, self.tp.size, self.tp.rank)
+        """The heads, intermediate and vocabulary rows this rank holds (all of them on
+        a single rank)."""
+        if self.tp.parallel:
+            logger.info("%s: %s", spec.model_id, self.shard.describe())
         if attention == "triton" and kernels == "auto":
             # The GPU path whole, wherever it runs: torch's layer ops and the Triton KV
             # store (on a CPU, the interpreter's debug mode; not the native kernels).
@@ -96,7 +116,7 @@ class LlamaForward:
         """Of the activations: float32 on the native kernels, whose bf16 mode keeps the
         projections' weights (and, by default, the KV cache) in bf16."""
         self.weights = load_prepared_weights(
-            Path(model_dir), spec, self.activation_dtype, device, self.ops
+            Path(model_dir), spec, self.activation_dtype, device, self.ops, self.shard
         )
         max_positions = max_positions or spec.max_position_embeddings
         self.ropes = self._rotary_tables(max_positions)
@@ -129,14 +149,18 @@ class LlamaForward:
         self._check_kv_dtype()
         self._check_deterministic()
         self.scale = spec.attention_scale
-        self.heads = HeadSizes(spec.num_heads, spec.num_kv_heads, spec.head_dim)
+        self.heads = HeadSizes(self.shard.heads.q.count, self.shard.heads.kv.count, spec.head_dim)
+        """This rank's heads (all of them on a single rank)."""
         self.thread_choice: ThreadChoice | None = None
         self.pin_threads = False
         """True: every step runs on torch's configured thread count (benchmarks)."""
         self.last_threads = 0
         """Threads the latest native CPU step ran on (0: not chosen), for the step trace."""
         self.fused_decode: FusedDecode | None = None
-        if self.ops.name == "native" and attention.name == "native" and self._plain_llama():
+        """The one-call native decode step; never on a tensor-parallel rank, whose layers
+        meet their peers' in an all-reduce between projections."""
+        native = self.ops.name == "native" and attention.name == "native"
+        if native and self._plain_llama() and not self.tp.parallel:
             self.fused_decode = FusedDecode(self.ops.kernels, self)
 
     def _rotary_tables(self, max_positions: int) -> list[RotaryEmbedding]:
@@ -205,8 +229,9 @@ class LlamaForward:
     def graph_safe(self) -> bool:
         """Whether a decode step can be captured in a CUDA graph: not with a sliding
         window or experts, whose steps read sizes back to the host (window starts,
-        tokens per expert)."""
-        return self.min_window is None and self.spec.experts is None
+        tokens per expert), nor on a tensor-parallel rank (its all-reduces are not
+        captured)."""
+        return self.min_window is None and self.spec.experts is None and not self.tp.parallel
 
     def _windows_apply(self, longest_context: int) -> bool:
         """Whether some layer's window hides a key from some query of a step whose
@@ -301,15 +326,13 @@ class LlamaForward:
             if step is not None:
                 return step.logits.clone()  # the fused buffer is reused; callers keep these
         self.ops.begin_step()
-        hidden = self.ops.embed(input_ids, self.weights.embed)
+        hidden = self._embed(input_ids)
         if self.embed_scale is not None:
             hidden *= self.embed_scale
         options = self.attention_options if windowed else self.unwindowed_options
         for index, layer in enumerate(self.weights.layers):
             self._layer(index, layer, hidden, positions, meta, kv_pool, options[index])
-        hidden = hidden.index_select(0, logits_rows)
-        logits = self.ops.norm_linear(hidden, self.weights.final_norm, self.weights.lm_head)
-        logits = logits.float()
+        logits = self._logits(hidden.index_select(0, logits_rows))
         if self.spec.final_softcap is not None:
             cap = self.spec.final_softcap
             logits = torch.tanh(logits / cap) * cap
@@ -328,10 +351,46 @@ class LlamaForward:
         q, k, v = ops.rope_store(qkv, positions, rope, kv_pool, index, meta, self.heads)
         attn = self.attention.forward(q, k, v, kv_pool, index, meta, self.scale, **options)
         if layer.attn_out_norm is None:
-            ops.linear_add(attn, layer.o_proj, hidden)
+            self._add_reduced(lambda out: ops.linear_add(attn, layer.o_proj, out), hidden)
         else:
-            hidden += rms_norm(project(ops, attn, layer.o_proj), layer.attn_out_norm, self._eps)
+            out = self.tp.all_reduce(project(ops, attn, layer.o_proj))
+            hidden += rms_norm(out, layer.attn_out_norm, self._eps)
         self._mlp(layer, hidden)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The float32 residual's first value. Vocab-parallel on a TP rank: each rank
+        looks up the ids its rows hold, zeros for the others, and the sum over the
+        ranks is every id's row."""
+        if not self.tp.parallel:
+            return self.ops.embed(input_ids, self.weights.embed)
+        rows = self.shard.vocab.real
+        local = input_ids - rows.start
+        outside = (local < 0) | (local >= rows.count)
+        hidden = self.ops.embed(local.masked_fill(outside, 0), self.weights.embed)
+        hidden.masked_fill_(outside[:, None], 0.0)
+        return self.tp.all_reduce(hidden)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [rows, vocab] of the final hidden states: on a TP rank, each
+        rank's vocabulary slice, gathered (the padding past the vocabulary cut)."""
+        if self.tp.parallel and hidden.shape[0] == 0:  # every rank skips the gather alike
+            return torch.empty(0, self.spec.vocab_size, device=hidden.device)
+        logits = self.ops.norm_linear(hidden, self.weights.final_norm, self.weights.lm_head)
+        logits = logits.float()
+        if self.tp.parallel:
+            logits = self.tp.all_gather(logits, dim=-1)[:, : self.spec.vocab_size]
+        return logits
+
+    def _add_reduced(self, accumulate, hidden: torch.Tensor) -> None:
+        """`hidden += ` a row-parallel projection's output, which `accumulate(out)` adds
+        into `out`: straight into the residual on a single rank; on a TP rank into zeros,
+        summed over the ranks, then added (each rank holds a partial sum)."""
+        if not self.tp.parallel:
+            accumulate(hidden)
+            return
+        partial = torch.zeros_like(hidden)
+        accumulate(partial)
+        hidden += self.tp.all_reduce(partial)
 
     @property
     def _eps(self) -> float:
@@ -354,13 +413,13 @@ class LlamaForward:
         ops, spec = self.ops, self.spec
         if layer.router is not None:
             normed = rms_norm(hidden, layer.post_norm, self._eps)
-            hidden += moe_mlp(ops, normed, layer, spec.experts, spec.activation)
+            hidden += self.tp.all_reduce(moe_mlp(ops, normed, layer, spec.experts, spec.activation))
             return
         gate_up = ops.norm_linear(hidden, layer.post_norm, layer.gate_up)
         if spec.activation == "silu" and layer.mlp_out_norm is None:
-            ops.glu_linear_add(gate_up, layer.down, hidden)
+            self._add_reduced(lambda out: ops.glu_linear_add(gate_up, layer.down, out), hidden)
             return
-        out = project(ops, glu(gate_up, spec.activation), layer.down)
+        out = self.tp.all_reduce(project(ops, glu(gate_up, spec.activation), layer.down))
         if layer.mlp_out_norm is not None:
             out = rms_norm(out, layer.mlp_out_norm, self._eps)
         hidden += out

@@ -20,6 +20,7 @@ from engine.attention import AttentionMetadata, PrefillChunk
 from engine.kv_cache import KVCachePool
 from engine.model import LlamaForward
 from engine.native.decode_step import DecodeRows
+from engine.parallel.step_channel import StepChannel
 from engine.scheduler import ScheduledChunk
 from engine.sequence import Sequence
 
@@ -63,14 +64,17 @@ class ModelRunner:
         cuda_graphs: bool = False,
         scratch_block: int | None = None,
         max_model_len: int | None = None,
+        channel: StepChannel | None = None,
     ):
         """`cuda_graphs`: replay captured graphs for decode-only steps on CUDA (the engine
         passes its config's `cuda_graphs`, and the allocator's `scratch_block`, which the
         graphs write to outside real rows); ignored on other devices. Nothing is captured
-        until `capture_graphs`."""
+        until `capture_graphs`. `channel`: rank 0 of a tensor-parallel worker sends every
+        step there before running it, for its followers to run too."""
         self.model = model
         self.kv_pool = kv_pool
         self.device = model.device
+        self.channel = channel
         self.graphs = None
         if cuda_graphs and torch.device(self.device).type == "cuda":
             from engine.cuda_graphs import DecodeGraphs
@@ -95,6 +99,8 @@ class ModelRunner:
         if self.graphs is not None and graphed and self.graphs.covers(step):
             logits = self.graphs.run(step)
         else:
+            if self.channel is not None:
+                self.channel.send(step.input_ids, step.positions, step.meta, step.logits_rows)
             logits = self.model.forward(
                 step.input_ids, step.positions, step.meta, self.kv_pool, step.logits_rows
             )

@@ -11,7 +11,8 @@ float32 step took 10% longer: every 4 KiB of the weight stream was a TLB miss an
 start for the hardware prefetcher.
 
 The file is keyed by what the prepared tensors depend on: the checkpoint files
-(path, size, mtime), config.json, the dtype, the ops' packed layout and `FORMAT`.
+(path, size, mtime), config.json, the dtype, the ops' packed layout, `FORMAT` and, for
+a tensor-parallel rank, the split and the rank (its shard is a file of its own).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from engine.envs import weight_cache_dir
 from engine.host_memory import copied_to_huge_pages
 from engine.layer_ops import Linear
 from engine.model_spec import ModelSpec
+from engine.parallel.shard import ModelShard
 from engine.weights import LayerWeights, ModelWeights, checkpoint_files, load_weights
 
 logger = logging.getLogger(__name__)
@@ -48,25 +50,35 @@ ALIGN = 64
 
 
 def load_prepared_weights(
-    model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: str, ops
+    model_dir: Path,
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    device: str,
+    ops,
+    shard: ModelShard | None = None,
 ) -> ModelWeights:
-    """The model's weights as `ops` runs them. Called once per engine by `LlamaForward`.
+    """The model's weights (a tensor-parallel rank's `shard` of them) as `ops` runs
+    them. Called once per engine by `LlamaForward`.
 
     On CPU they come from the cache when it holds them, and are prepared and saved
-    there otherwise; other devices prepare them in place every time."""
+    there otherwise (each rank's shard in a file of its own); other devices prepare
+    them in place every time."""
+    shard = shard or ModelShard.of(spec)
     if torch.device(device).type != "cpu":
-        return _prepare(model_dir, spec, dtype, device, ops)
-    path = weight_cache_dir() / f"{cache_key(model_dir, dtype, ops)}{SUFFIX}"
+        return _prepare(model_dir, spec, dtype, device, ops, shard)
+    path = weight_cache_dir() / f"{cache_key(model_dir, dtype, ops, shard)}{SUFFIX}"
     cached = _read(path)
     if cached is not None:
         return cached
-    tensors, layout = _flatten(_prepare(model_dir, spec, dtype, device, ops))
+    tensors, layout = _flatten(_prepare(model_dir, spec, dtype, device, ops, shard))
     _write(path, tensors, layout, model_dir)
     return _unflatten(copied_to_huge_pages(tensors, ALIGN), layout)
 
 
-def cache_key(model_dir: Path, dtype: torch.dtype, ops) -> str:
+def cache_key(model_dir: Path, dtype: torch.dtype, ops, shard: ModelShard | None = None) -> str:
     digest = hashlib.sha256(f"format={FORMAT};dtype={dtype};ops={ops.prepared_layout};".encode())
+    if shard is not None and not shard.whole:
+        digest.update(f"tp={shard.size};rank={shard.rank};".encode())
     digest.update(hashlib.sha256((model_dir / "config.json").read_bytes()).digest())
     for path in checkpoint_files(model_dir):
         stat = path.stat()
@@ -74,8 +86,8 @@ def cache_key(model_dir: Path, dtype: torch.dtype, ops) -> str:
     return digest.hexdigest()[:32]
 
 
-def _prepare(model_dir, spec, dtype, device, ops) -> ModelWeights:
-    weights = load_weights(model_dir, spec, dtype, device)
+def _prepare(model_dir, spec, dtype, device, ops, shard: ModelShard) -> ModelWeights:
+    weights = load_weights(model_dir, spec, dtype, device, shard)
     weights.prepare(ops.prepare_linear)
     return weights
 

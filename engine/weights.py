@@ -4,6 +4,12 @@ Projections load as `Linear(weight [out, in], bias)`; the model then hands each 
 its layer ops' `prepare_linear` (`ModelWeights.prepare`), which may repack it (the
 native CPU kernels do) so that only the prepared copy stays in memory.
 
+Tensors are read from the checkpoint as they are needed (engine/checkpoint.py). A
+tensor-parallel rank (`shard`) reads only its part of each: the rows of its heads of
+q, k and v and of its slice of gate and up, the columns of the same of o and down, its
+rows of the vocabulary; norms and a mixture's router whole. A row-parallel bias is
+rank 0's only (it is added once, before the partial sums meet).
+
 Every tensor of the checkpoint must be used and every tensor the architecture needs
 must be there: a missing one, a leftover one (quantization scales, a part of the model
 this engine does not implement) or an LM head that is neither stored nor tied is a
@@ -15,17 +21,19 @@ every norm runs as a plain RMSNorm (the native kernels' prologue included).
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
+from engine.checkpoint import Checkpoint, Index, checkpoint_files
 from engine.errors import ModelLoadError
 from engine.layer_ops import Linear
 from engine.model_spec import ModelSpec
+from engine.parallel.shard import ModelShard
+
+__all__ = ["LayerWeights", "ModelWeights", "checkpoint_files", "load_weights"]
 
 IGNORED_TENSORS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 """Buffers some older checkpoints saved that the forward recomputes."""
@@ -113,40 +121,22 @@ class ModelWeights:
         return projections + self.lm_head.nbytes + norms
 
 
-def checkpoint_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        shard_names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / name for name in shard_names]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"no *.safetensors in {model_dir}")
-    return files
-
-
-def read_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for path in checkpoint_files(Path(model_dir)):
-        with safe_open(str(path), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
-                tensors[name] = handle.get_tensor(name)
-    return tensors
-
-
 class _Taker:
-    """Pops tensors out of the state dict, converted; names what is missing."""
+    """Reads tensors out of the checkpoint, converted, as this rank's shard takes them;
+    names what is missing."""
 
-    def __init__(self, state: dict, spec: ModelSpec, dtype, device, model_dir):
-        self.state, self.spec, self.dtype, self.device = state, spec, dtype, device
-        self.model_dir = model_dir
+    def __init__(self, checkpoint: Checkpoint, spec: ModelSpec, dtype, device, shard: ModelShard):
+        self.checkpoint, self.spec, self.dtype, self.device = checkpoint, spec, dtype, device
+        self.shard = shard
 
-    def __call__(self, name: str) -> torch.Tensor:
+    def __call__(self, name: str, *indexes: Index, dim: int = 0) -> torch.Tensor:
+        """The tensor `name` whole, or the parts `indexes` of it, concatenated along `dim`."""
         try:
-            tensor = self.state.pop(name)
+            tensor = self.checkpoint.read_parts(name, list(indexes) or [()], dim)
         except KeyError:
             raise ModelLoadError(
-                f"checkpoint {self.model_dir} lacks tensor {name}, which "
-                f"{self.spec.architecture} needs{_quantized_hint(self.state)}"
+                f"checkpoint {self.checkpoint.model_dir} lacks tensor {name}, which "
+                f"{self.spec.architecture} needs{_quantized_hint(self.checkpoint.unused)}"
             ) from None
         if tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ModelLoadError(
@@ -163,34 +153,65 @@ class _Taker:
         return (self(name).float() + 1.0) if self.dtype != torch.float32 else self(name) + 1.0
 
     def has(self, name: str) -> bool:
-        return name in self.state
+        return name in self.checkpoint
+
+    # --- this rank's parts (everything, on a single rank) --------------------------
+
+    def rows(self, name: str, *spans: slice) -> torch.Tensor:
+        """Rows `spans` of a column-parallel weight (or its bias), concatenated."""
+        if self.shard.whole:
+            return self(name)
+        return self(name, *((span,) for span in spans))
+
+    def columns(self, name: str, span: slice) -> torch.Tensor:
+        """Columns `span` of a row-parallel weight."""
+        return self(name) if self.shard.whole else self(name, (slice(None), span))
+
+    def vocab_rows(self, name: str) -> torch.Tensor:
+        """This rank's rows of the embedding or the LM head, padded with zero rows to
+        the same count on every rank."""
+        if self.shard.whole:
+            return self(name)
+        vocab = self.shard.vocab
+        table = self(name, (slice(vocab.real.start, vocab.real.stop),))
+        missing = vocab.per_rank - vocab.real.count
+        if missing:
+            table = torch.cat([table, table.new_zeros(missing, table.shape[1])])
+        return table
 
 
 def load_weights(
-    model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype, device: str
+    model_dir: str | Path,
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    device: str,
+    shard: ModelShard | None = None,
 ) -> ModelWeights:
-    state = read_state_dict(model_dir)
-    take = _Taker(state, spec, dtype, device, model_dir)
-    layers = [_load_layer(take, i, spec) for i in range(spec.num_layers)]
-    embed = Linear(take("model.embed_tokens.weight"))
-    lm_head = _lm_head(take, spec, embed, model_dir)
-    weights = ModelWeights(
-        embed=embed, layers=layers, final_norm=take.norm("model.norm.weight"), lm_head=lm_head
-    )
-    leftover = sorted(name for name in state if not IGNORED_TENSORS.search(name))
-    if leftover:
-        raise ModelLoadError(
-            f"checkpoint {model_dir} has {len(leftover)} tensors {spec.architecture} does not "
-            f"use, e.g. {leftover[:6]}{_quantized_hint(state)}: serving it without them "
-            "would not be the model they belong to"
+    """The model's weights (this rank's `shard` of them; None: all), read from the
+    checkpoint's files as they are needed."""
+    shard = shard or ModelShard.of(spec)
+    with Checkpoint(model_dir) as checkpoint:
+        take = _Taker(checkpoint, spec, dtype, device, shard)
+        layers = [_load_layer(take, i, spec) for i in range(spec.num_layers)]
+        embed = Linear(take.vocab_rows("model.embed_tokens.weight"))
+        lm_head = _lm_head(take, spec, embed, model_dir)
+        weights = ModelWeights(
+            embed=embed, layers=layers, final_norm=take.norm("model.norm.weight"), lm_head=lm_head
         )
+        leftover = sorted(name for name in checkpoint.unused if not IGNORED_TENSORS.search(name))
+        if leftover:
+            raise ModelLoadError(
+                f"checkpoint {model_dir} has {len(leftover)} tensors {spec.architecture} does "
+                f"not use, e.g. {leftover[:6]}{_quantized_hint(checkpoint.unused)}: serving it "
+                "without them would not be the model they belong to"
+            )
     return weights
 
 
 def _lm_head(take: _Taker, spec: ModelSpec, embed: Linear, model_dir) -> Linear:
     if spec.tie_word_embeddings:
         if take.has("lm_head.weight"):
-            take("lm_head.weight")  # a saved copy of the tied table
+            take.checkpoint.unused.discard("lm_head.weight")  # a saved copy of the tied table
         return embed
     if not take.has("lm_head.weight"):
         raise ModelLoadError(
@@ -198,12 +219,12 @@ def _lm_head(take: _Taker, spec: ModelSpec, embed: Linear, model_dir) -> Linear:
             "tie_word_embeddings: the output projection is missing (using the input "
             "embedding instead would be another model)"
         )
-    return Linear(take("lm_head.weight"))
+    return Linear(take.vocab_rows("lm_head.weight"))
 
 
-def _quantized_hint(state: dict) -> str:
+def _quantized_hint(names) -> str:
     markers = ("qweight", "qzeros", "scales", "weight_scale", "scale_inv", "g_idx")
-    if any(name.rsplit(".", 1)[-1] in markers for name in state):
+    if any(name.rsplit(".", 1)[-1] in markers for name in names):
         return " (the checkpoint holds quantized tensors: not implemented)"
     return ""
 
@@ -211,19 +232,28 @@ def _quantized_hint(state: dict) -> str:
 def _load_layer(take: _Taker, index: int, spec: ModelSpec) -> LayerWeights:
     prefix = f"model.layers.{index}."
     attn = prefix + "self_attn."
+    heads, dim = take.shard.heads, spec.head_dim
+    q_rows, kv_rows = heads.q.rows(dim), heads.kv.rows(dim)
     if spec.fused_projections:
-        qkv = Linear(take(attn + "qkv_proj.weight"))
+        k_at, v_at = spec.num_heads * dim, (spec.num_heads + spec.num_kv_heads) * dim
+        qkv = Linear(
+            take.rows(
+                attn + "qkv_proj.weight", q_rows, _shifted(kv_rows, k_at), _shifted(kv_rows, v_at)
+            )
+        )
     else:
-        qkv_weight = torch.cat([take(attn + f"{p}_proj.weight") for p in "qkv"]).contiguous()
+        parts = {"q": q_rows, "k": kv_rows, "v": kv_rows}
+        qkv_weight = torch.cat([take.rows(attn + f"{p}_proj.weight", parts[p]) for p in "qkv"])
         qkv_bias = None
         if spec.qkv_bias:
-            qkv_bias = torch.cat([take(attn + f"{p}_proj.bias") for p in "qkv"]).contiguous()
-        qkv = Linear(qkv_weight, qkv_bias)
-    o_bias = take(attn + "o_proj.bias") if spec.o_bias else None
+            qkv_bias = torch.cat([take.rows(attn + f"{p}_proj.bias", parts[p]) for p in "qkv"])
+            qkv_bias = qkv_bias.contiguous()
+        qkv = Linear(qkv_weight.contiguous(), qkv_bias)
+    o_bias = _first_rank_only(take, attn + "o_proj.bias") if spec.o_bias else None
     layer = LayerWeights(
         input_norm=take.norm(prefix + "input_layernorm.weight"),
         qkv=qkv,
-        o_proj=Linear(take(attn + "o_proj.weight"), o_bias),
+        o_proj=Linear(take.columns(attn + "o_proj.weight", q_rows).contiguous(), o_bias),
         post_norm=take.norm(
             prefix
             + ("pre_feedforward_layernorm" if spec.gemma_norms else "post_attention_layernorm")
@@ -243,13 +273,28 @@ def _load_layer(take: _Taker, index: int, spec: ModelSpec) -> LayerWeights:
     return layer
 
 
+def _shifted(span: slice, by: int) -> slice:
+    return slice(span.start + by, span.stop + by)
+
+
+def _first_rank_only(take: _Taker, name: str) -> torch.Tensor | None:
+    """A row-parallel projection's bias: added once, by rank 0, before the partial sums
+    meet (every rank adding it would count it `size` times)."""
+    bias = take(name)
+    return bias if take.shard.rank == 0 else None
+
+
 def _load_dense_mlp(take: _Taker, mlp: str, spec: ModelSpec, layer: LayerWeights) -> None:
+    rows = take.shard.intermediate.rows(1)
     if spec.fused_projections:
-        layer.gate_up = Linear(take(mlp + "gate_up_proj.weight"))
+        up = _shifted(rows, spec.intermediate_size)
+        layer.gate_up = Linear(take.rows(mlp + "gate_up_proj.weight", rows, up).contiguous())
     else:
-        gate_up = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
+        gate_up = torch.cat(
+            [take.rows(mlp + "gate_proj.weight", rows), take.rows(mlp + "up_proj.weight", rows)]
+        )
         layer.gate_up = Linear(gate_up.contiguous())
-    layer.down = Linear(take(mlp + "down_proj.weight"))
+    layer.down = Linear(take.columns(mlp + "down_proj.weight", rows).contiguous())
 
 
 _EXPERT_NAMES = {
@@ -265,13 +310,26 @@ def _load_experts(take: _Taker, prefix: str, spec: ModelSpec, layer: LayerWeight
     block, (gate, up, down) = _EXPERT_NAMES[family]
     layer.router = Linear(take(prefix + block + "gate.weight"))
     experts = prefix + block + "experts."
+    rows = take.shard.expert_intermediate.rows(1)
     if take.has(experts + "gate_up_proj"):
-        # Stacked as transformers 5 holds them in memory: [E, 2I, H] and [E, H, I].
-        stacked_gate_up, stacked_down = take(experts + "gate_up_proj"), take(experts + "down_proj")
-        layer.experts_gate_up = [Linear(w.contiguous()) for w in stacked_gate_up]
-        layer.experts_down = [Linear(w.contiguous()) for w in stacked_down]
+        _load_stacked_experts(take, experts, spec, layer, rows)
         return
     for e in range(spec.experts.num_experts):
-        weights = [take(f"{experts}{e}.{name}.weight") for name in (gate, up, down)]
-        layer.experts_gate_up.append(Linear(torch.cat(weights[:2]).contiguous()))
-        layer.experts_down.append(Linear(weights[2]))
+        weights = [take.rows(f"{experts}{e}.{name}.weight", rows) for name in (gate, up)]
+        layer.experts_gate_up.append(Linear(torch.cat(weights).contiguous()))
+        layer.experts_down.append(
+            Linear(take.columns(f"{experts}{e}.{down}.weight", rows).contiguous())
+        )
+
+
+def _load_stacked_experts(take: _Taker, experts: str, spec, layer: LayerWeights, rows) -> None:
+    """Experts stacked as transformers 5 holds them in memory: [E, 2I, H] and [E, H, I]."""
+    every = slice(None)
+    if take.shard.whole:
+        stacked_gate_up, stacked_down = take(experts + "gate_up_proj"), take(experts + "down_proj")
+    else:
+        up = _shifted(rows, spec.experts.intermediate_size)
+        stacked_gate_up = take(experts + "gate_up_proj", (every, rows), (every, up), dim=1)
+        stacked_down = take(experts + "down_proj", (every, every, rows))
+    layer.experts_gate_up = [Linear(w.contiguous()) for w in stacked_gate_up]
+    layer.experts_down = [Linear(w.contiguous()) for w in stacked_down]

@@ -79,6 +79,28 @@ class ExportTicket:
     """One per block, computed at export; verified by the receiver."""
     checksum_algo: str = "crc32"
     """How `checksums` were computed (see kv_transfer/integrity.py)."""
+    shards: tuple[ExportTicket, ...] = ()
+    """A tensor-parallel sender's other ranks' exports of the same blocks (ranks 1..N-1,
+    each with its own endpoint, layout and checksums); this ticket is rank 0's."""
+
+    @property
+    def slices(self) -> tuple[ExportTicket, ...]:
+        """Every rank's export, rank 0's first, each on its own (no shards)."""
+        return (replace(self, shards=()), *self.shards)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the export over every rank's pool."""
+        return sum(s.layout.block_nbytes * len(s.block_ids) for s in self.slices)
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one of its blocks over every rank's pool."""
+        return sum(s.layout.block_nbytes for s in self.slices)
+
+    def with_shards(self, shards: list[ExportTicket]) -> ExportTicket:
+        """This (rank 0's) ticket with the other ranks' exports (the sharded sender)."""
+        return replace(self, shards=tuple(shards))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -92,6 +114,7 @@ class ExportTicket:
             self,
             block_ids=self.block_ids[held_blocks:],
             checksums=self.checksums[held_blocks:],
+            shards=tuple(shard.tail(held_blocks) for shard in self.shards),
         )
 
     @classmethod
@@ -101,8 +124,25 @@ class ExportTicket:
                 **data,
                 "sender_endpoint": SenderEndpoint.from_dict(data["sender_endpoint"]),
                 "layout": KVLayout(**data["layout"]),
+                "shards": tuple(cls.from_dict(shard) for shard in data.get("shards", ())),
             }
         )
+
+
+@dataclass(frozen=True)
+class SliceReceipt:
+    """What one head slice of a transfer moved: from which sender rank to which receiver
+    rank, which of the model's KV heads, how many bytes (over the wire: a staged slice
+    moves the sender rank's whole blocks, its heads then copied in locally), and the
+    checksum every one of its blocks was verified with."""
+
+    sender_rank: int
+    receiver_rank: int
+    first_kv_head: int
+    kv_heads: int
+    num_bytes: int
+    staged: bool
+    checksum: str = ""
 
 
 @dataclass
@@ -121,6 +161,9 @@ class TransferResult:
     checksum: str = ""
     """The algorithm every block was verified with (the ticket's: `xxh3_64` or `crc32`
     on the host, `wsum64` on the device, kv_transfer/integrity.py); empty unless DONE."""
+    slices: list[SliceReceipt] = field(default_factory=list)
+    """Per head slice moved, where the transfer went between tensor-parallel layouts
+    (kv_transfer/resharding.py); empty for a transfer of whole blocks."""
 
     @property
     def ok(self) -> bool:

@@ -31,8 +31,8 @@ from worker.health import (
     StartupTimer,
     engine_state,
     health_report,
-    node_ip,
 )
+from worker.kv_shards import ShardedSender, make_rank_sender
 from worker.messages import ErrorEvent, HealthReport, PrefillRequest, PrefillResult
 from worker.spec import WorkerSpec
 
@@ -55,18 +55,13 @@ class PrefillWorker(EngineActor):
     """Instantiated as a named Ray actor by the controller (one per prefill slot)."""
 
     def _build(self, spec: WorkerSpec, timer: StartupTimer) -> None:
-        from kv_transfer.registry import make_sender
-
         self.spec = spec
         self.worker_id = spec.worker_id
-        self.engine = LLMEngine(spec.engine)
+        self.engine = self._make_engine(spec)
         timer.lap("engine_s")
-        self.sender = make_sender(
-            spec.transport,
-            spec.worker_id,
-            self.engine.kv_pool,
-            spec.transport_options_on(node_ip()),
-        )
+        self.sender = make_rank_sender(spec, 0, self.engine.kv_pool)
+        if self.ranks is not None:
+            self.sender = ShardedSender(self.sender, self.ranks.followers)
         timer.lap("transport_s")
         self.startup = timer.durations
         self._last_state: dict | None = None
@@ -176,6 +171,7 @@ class PrefillWorker(EngineActor):
             self._engine_loop(),
             self.sender.stats(),
             startup=self.startup,
+            rank_pids=await self._rank_pids(),
         )
 
     async def debug_state(self) -> dict:
@@ -192,10 +188,14 @@ class PrefillWorker(EngineActor):
         else:
             state = self._last_state = await loop.call(engine_state)
         leases = self.sender.leased_request_ids()
+        rank_leases = []
+        if isinstance(self.sender, ShardedSender):
+            rank_leases = await self.sender.follower_leases()
         return {
             **state,
-            "outstanding_leases": len(leases),
+            "outstanding_leases": len(leases) + sum(map(len, rank_leases)),
             "leases": leases,
+            "rank_leases": rank_leases,
             "exports_at_risk": self.sender.at_risk_request_ids(),
         }
 

@@ -24,3 +24,10 @@ def family_model_dirs(tmp_path_factory) -> dict[str, object]:
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tiny_model_dirs):
     return tiny_model_dirs["llama"]
+
+
+@pytest.fixture(scope="session")
+def tp_model_dirs(tmp_path_factory) -> dict[str, object]:
+    """Tiny models whose heads split over 2 ranks (`tests.factories.TP_FAMILIES`, and
+    any other family), written when first asked for."""
+    return LazyModelDirs(tmp_path_factory.mktemp("tp-models"))

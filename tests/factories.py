@@ -8,10 +8,15 @@ a downloaded model, and transformers is the reference for the same weights.
 
 from __future__ import annotations
 
+import itertools
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
@@ -29,6 +34,8 @@ from transformers import (
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.parallel.follower import FollowerEngine
+from engine.parallel.group import TPGroup
 from engine.sampling_params import SamplingParams
 
 TINY_VOCAB = 384
@@ -52,6 +59,12 @@ and than one prefill chunk of them, three 8-token blocks."""
 NEW_FAMILIES = ("qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe", "mistral_window")
 """The tiny models of the families served after Llama/Qwen2/Mistral (and Mistral with a
 window shorter than the prompts), each as its transformers config defines it."""
+
+
+TP_FAMILIES = ("llama_kv2", "qwen2", "mistral_kv1")
+"""Tiny models whose heads split over 2 ranks: Llama with 2 KV heads (one per rank),
+Qwen2 (2 KV heads, q/k/v biases, tied embeddings), Mistral with 1 KV head (replicated
+on both ranks)."""
 
 
 def tiny_config(family: str):
@@ -92,7 +105,33 @@ def tiny_config(family: str):
             sliding_window=512,
             **common,
         )
+    if family in ("llama_kv2", "mistral_kv1"):
+        return _tp_family_config(family, common)
     return _new_family_config(family, common)
+
+
+def _tp_family_config(family: str, common: dict):
+    """Head counts even, as a 2-way split needs; the vocabulary (385, past the
+    tokenizer's 384 as many checkpoints pad theirs) is odd, so the LM head's last rank
+    holds a padding row."""
+    common = {**common, "vocab_size": TINY_VOCAB + 1}
+    if family == "llama_kv2":
+        return LlamaConfig(
+            hidden_size=128,
+            intermediate_size=224,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            rope_theta=10000.0,
+            **common,
+        )
+    return MistralConfig(
+        hidden_size=96,
+        intermediate_size=160,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        sliding_window=512,
+        **common,
+    )
 
 
 def _new_family_config(family: str, common: dict):
@@ -263,6 +302,47 @@ def make_engine(model_dir, **overrides) -> LLMEngine:
     )
     settings.update(overrides)
     return LLMEngine(EngineConfig(**settings))
+
+
+@contextmanager
+def tp_engine(model_dir, size: int = 2, **overrides) -> Iterator[LLMEngine]:
+    """Rank 0's engine of a `size`-rank tensor-parallel worker whose followers run as
+    threads of this process (one torch thread each), over gloo on a `HashStore`. The
+    followers stop when the block ends (their threads are joined)."""
+    settings = dict(
+        model=str(model_dir), dtype="float32", block_size=8, num_kv_blocks=256, num_threads=1
+    )
+    config = EngineConfig(**{**settings, **overrides})
+    store = dist.PrefixStore(f"tp-{next(_TP_GROUPS)}", dist.HashStore())
+    followers: dict[int, FollowerEngine] = {}
+    failures: list[BaseException] = []
+
+    def follow(rank: int) -> None:
+        torch.set_num_threads(1)
+        try:
+            followers[rank] = FollowerEngine(config, TPGroup.join(store, rank, size))
+            followers[rank].serve()
+        except BaseException as exc:  # the test reads it after the join
+            failures.append(exc)
+
+    threads = [threading.Thread(target=follow, args=(r,)) for r in range(1, size)]
+    for thread in threads:
+        thread.start()
+    engine = None
+    try:
+        engine = LLMEngine(config, TPGroup.join(store, 0, size))
+        engine.followers = followers
+        yield engine
+    finally:
+        if engine is not None:
+            engine.stop_followers()
+        for thread in threads:
+            thread.join(timeout=60)
+    if failures:
+        raise failures[0]
+
+
+_TP_GROUPS = itertools.count()
 
 
 def assert_no_leaks(engine: LLMEngine) -> None:

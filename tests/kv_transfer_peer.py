@@ -25,6 +25,21 @@ LAYOUT = KVLayout("tiny-test", "float32", num_layers=2, num_kv_heads=2, head_dim
 POOL_BLOCKS = 64
 
 
+def split_layout(size: int, rank: int) -> KVLayout:
+    """`LAYOUT`'s heads split over `size` ranks: rank `rank`'s."""
+    per_rank = LAYOUT.num_kv_heads // size
+    return KVLayout(
+        **{
+            **LAYOUT.as_dict(),
+            "num_kv_heads": per_rank,
+            "tp_size": size,
+            "tp_rank": rank,
+            "kv_head_start": rank * per_rank,
+            "total_kv_heads": LAYOUT.num_kv_heads,
+        }
+    )
+
+
 def random_pool(layout: KVLayout = LAYOUT, num_blocks: int = POOL_BLOCKS, seed: int = 0):
     pool = KVCachePool(layout, num_blocks)
     pool.kv.copy_(torch.randn(pool.kv.shape, generator=torch.Generator().manual_seed(seed)))
@@ -44,6 +59,9 @@ class PeerState:
             self.engine = make_engine(model_dir, device=device)
             self.pool, self.allocator = self.engine.kv_pool, self.engine.allocator
         self.senders = {}
+        self.rank_senders = {}
+        """Senders of ranks 1.. of a split pool (`export_split`): their released blocks are
+        rank 0's, freed once through its sender."""
 
     def open_sender(self, key: str, transport: str, options: TransportOptions) -> dict:
         self.senders[key] = make_sender(transport, key, self.pool, options)
@@ -74,13 +92,40 @@ class PeerState:
         ticket, blocks, first = self.engine.export_prefilled(request_id, export)
         return ticket, blocks, first, expected
 
+    def export_split(
+        self, key: str, transport: str, options, request_id: str, num_blocks: int, size: int
+    ) -> tuple[dict, bytes]:
+        """The random pool's KV heads split over `size` rank pools (a tensor-parallel
+        prefill worker's), each with a sender of `transport`, and the same blocks exported
+        from every rank. Returns rank 0's ticket (the others in its shards) and the blocks'
+        bytes as the unsplit pool holds them."""
+        ids = self.allocator.allocate(num_blocks, request_id)
+        tickets = []
+        for rank in range(size):
+            layout = split_layout(size, rank)
+            pool = KVCachePool(layout, POOL_BLOCKS)
+            name = key if rank == 0 else f"{key}.rank{rank}"
+            sender = make_sender(transport, name, pool, options)  # shm re-homes the pool
+            heads = layout.kv_heads
+            pool.kv.copy_(self.pool.kv[:, :, :, :, heads.start : heads.stop])
+            (self.senders if rank == 0 else self.rank_senders)[name] = sender
+            tokens = num_blocks * LAYOUT.block_size
+            tickets.append(sender.export(request_id, ids, tokens, "peer"))
+        ticket = tickets[0].with_shards(tickets[1:])
+        return ticket.to_dict(), self.pool.read_blocks(ids).numpy().tobytes()
+
     def ack(self, key: str, request_id: str) -> None:
         self.senders[key].ack(request_id)
+        for name, sender in self.rank_senders.items():
+            if name.startswith(f"{key}.rank"):
+                sender.ack(request_id)
 
     def abort(self, key: str, request_id: str) -> None:
         self.senders[key].abort(request_id)
 
     def free_released(self) -> int:
+        for sender in self.rank_senders.values():
+            sender.poll_released()
         freed = 0
         for sender in self.senders.values():
             for ids in sender.poll_released():

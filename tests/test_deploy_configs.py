@@ -65,6 +65,35 @@ def test_each_shipped_config_loads(name, tmp_path):
     assert config.prefill.workers >= 1 and config.decode.workers >= 1
 
 
+def test_the_tensor_parallel_example_fits_its_ray_cluster(tmp_path):
+    """Each pool's pods hold its workers as the code places them: one unit of the pool's
+    resource per worker whatever its tp, one GPU per rank, every rank of a worker in one
+    pod (STRICT_PACK), and no GPU of a pod left idle."""
+    path = tmp_path / "pdserve-tp.yaml"
+    path.write_text(shipped_configs()["kuberay/pdserve-config.yaml:pdserve-tp.yaml"])
+    # The cluster draws its token at start; worker specs carry it.
+    config = ClusterConfig.load(str(path), {}).replace(transport={"token": "t" * 32})
+    assert (config.prefill.workers, config.prefill.tp) == (4, 1)
+    assert (config.decode.workers, config.decode.tp) == (1, 2)
+    (cluster,) = yaml.safe_load_all((DEPLOY / "kuberay" / "raycluster-tp.yaml").read_text())
+    groups = {group["groupName"]: group for group in cluster["spec"]["workerGroupSpecs"]}
+    for role in ("prefill", "decode"):
+        group = groups[role]
+        advertised = json.loads(json.loads(group["rayStartParams"]["resources"]))
+        (container,) = group["template"]["spec"]["containers"]
+        limits = container["resources"]["limits"]
+        assert limits == container["resources"]["requests"]
+        gpus = int(limits["nvidia.com/gpu"])
+        spec = config.worker_spec(f"{role}-0", role)
+        (resource, share), tp = next(iter(spec.rank_resources.items())), spec.tp_size
+        assert share * tp == pytest.approx(1.0, abs=1e-3)  # a pool unit per worker
+        per_pod = min(
+            int(advertised[resource] / (share * tp) + 1e-6), gpus // int(spec.rank_gpus * tp)
+        )
+        assert per_pod * group["replicas"] == config.pool(role).workers, role
+        assert gpus == per_pod * tp * spec.rank_gpus, f"{role} pods hold GPUs no rank uses"
+
+
 def test_every_serve_command_line_in_the_manifests_parses():
     lines = serve_command_lines()
     assert lines, "no `pdserve serve` line found under deploy/"

@@ -13,6 +13,11 @@ from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from worker.health import StartupTimer, step_trace
 from worker.spec import WorkerSpec
+from worker.tp_ranks import TPRanks
+
+RANK_HEALTH_TIMEOUT_S = 3.0
+"""A follower rank slower than this to answer rank 0's health check fails it (below
+the controller's own default timeout, so the failure names the rank)."""
 
 
 class EngineActor:
@@ -23,6 +28,8 @@ class EngineActor:
     engine: LLMEngine
     loop: EngineLoop | None = None
     stopped: asyncio.Event | None = None
+    ranks: TPRanks | None = None
+    """The other ranks of a tensor-parallel worker (None: one rank)."""
 
     def __init__(self, spec: WorkerSpec | None = None, transport: str | None = None):
         """`spec` None makes a prestarted process (cluster/control/prestarted.py): Ray's worker,
@@ -44,6 +51,23 @@ class EngineActor:
     def _build(self, spec: WorkerSpec, timer: StartupTimer) -> None:
         """Build the engine and the transport for `spec`, lapping `timer` after each."""
         raise NotImplementedError
+
+    def _make_engine(self, spec: WorkerSpec) -> LLMEngine:
+        """This worker's engine; on a tensor-parallel worker rank 0's, once its followers
+        (started here, each building its own shard meanwhile) have joined its group."""
+        if spec.tp_size == 1:
+            return LLMEngine(spec.engine)
+        self.ranks = TPRanks.start(spec)
+        return LLMEngine(spec.engine, self.ranks.group)
+
+    async def _rank_pids(self) -> tuple[int, ...]:
+        """Called by `check_health`: the follower ranks' processes, after each answered
+        its own health check (raises when one did not: the worker is unhealthy)."""
+        if self.ranks is None:
+            return ()
+        self.ranks.watch()
+        await self.ranks.check(RANK_HEALTH_TIMEOUT_S)
+        return self.ranks.pids
 
     async def activate(self, spec: WorkerSpec) -> dict[str, float]:
         """Called once by the controller on a prestarted process, when a restart takes it
@@ -80,8 +104,12 @@ class EngineActor:
         await self.stopped.wait()
 
     def _stop_engine(self) -> None:
-        """First half of `shutdown`: release the death watch, stop the engine thread."""
+        """First half of `shutdown`: release the death watch, stop the engine thread (and
+        then a tensor-parallel worker's followers)."""
         if self.stopped is not None:
             self.stopped.set()
         if self.loop is not None:
             self.loop.stop()
+        if self.ranks is not None:
+            stopped = self.loop is None or not self.loop.thread.is_alive()
+            self.ranks.stop(getattr(self, "engine", None), stopped)

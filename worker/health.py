@@ -26,6 +26,7 @@ def health_report(
     transfer=None,
     last_transfer: dict[str, str] | None = None,
     startup: dict[str, float] | None = None,
+    rank_pids: tuple[int, ...] = (),
 ) -> HealthReport:
     """Raises when the worker cannot serve (its engine thread died)."""
     if not loop.thread.is_alive():
@@ -51,6 +52,8 @@ def health_report(
         prefix_cache=engine.cache_report(),
         step_costs=fit_step_costs(engine.step_trace),
         cpu_s=time.process_time(),
+        rank_pids=rank_pids,
+        tp_size=engine.tp.size,
     )
 
 

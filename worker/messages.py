@@ -91,7 +91,11 @@ class ImportEvent:
     """Leading blocks of the export the decode worker's prefix cache already held: not
     moved (its hits, stated in the pull)."""
     moved_blocks: int = 0
-    """Blocks the transfer wrote (`num_bytes` = moved_blocks x block bytes)."""
+    """Blocks the transfer wrote (`num_bytes` = moved_blocks x block bytes; across
+    tensor-parallel layouts, the bytes every rank pulled, staged slices whole)."""
+    slices: tuple = ()
+    """`kv_transfer.SliceReceipt` per head slice, where the import went between
+    tensor-parallel layouts: sender rank, receiver rank, KV heads, bytes, checksum."""
 
 
 TokenEvent = TokenDelta
@@ -153,3 +157,7 @@ class HealthReport:
     token and per decode sequence (None until it has run such steps)."""
     cpu_s: float = 0.0
     """CPU seconds (user + system, every thread) the worker process has used so far."""
+    tp_size: int = 1
+    """Tensor-parallel ranks of this worker (`pid` is rank 0's process)."""
+    rank_pids: tuple[int, ...] = ()
+    """The processes of ranks 1..tp_size-1, in rank order (drills kill them too)."""

@@ -8,7 +8,7 @@ the worker's constructor reads it once.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from engine.config import EngineConfig
@@ -34,6 +34,13 @@ class WorkerSpec:
     """A failed import: `recompute` the prompt here, or `fail` the request."""
     cpu_cores: tuple[int, ...] | None = None
     """The cores this worker's threads run on (`cluster.control.core_plan`); None: any."""
+    tp_size: int = 1
+    """Tensor-parallel ranks: this actor is rank 0 and starts the others as
+    `RankFollower` actors in the bundles of its placement group (worker/tp_ranks.py)."""
+    rank_resources: dict[str, float] = field(default_factory=dict)
+    """The custom resources each follower rank asks Ray for (its bundle's)."""
+    rank_gpus: float = 0.0
+    """GPUs each follower rank asks Ray for (its bundle's)."""
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "colocated"):
@@ -44,6 +51,10 @@ class WorkerSpec:
             raise ValueError(f"unknown on_transfer_failure {self.on_transfer_failure!r}")
         if self.cpu_cores is not None and (not self.cpu_cores or min(self.cpu_cores) < 0):
             raise ValueError(f"cpu_cores must name cores, not {self.cpu_cores!r}")
+        if isinstance(self.tp_size, bool) or not isinstance(self.tp_size, int) or self.tp_size < 1:
+            raise ValueError(f"tp_size must be a positive integer, not {self.tp_size!r}")
+        if self.tp_size > 1 and self.cpu_cores is not None:
+            raise ValueError("a tensor-parallel worker's ranks are not pinned to cores")
 
     @property
     def device(self) -> str:

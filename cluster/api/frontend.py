@@ -659,6 +659,8 @@ def _liveness(worker) -> dict:
         "dead_for_s": _since(worker.dead_since),
         "alive_for_s": _since(worker.alive_since) if worker.alive else None,
         "pid": load.pid if load else None,
+        "tp_size": load.tp_size if load else None,
+        "rank_pids": [load.pid, *load.rank_pids] if load else [],
         "cpu_cores": list(load.cpu_cores) if load else None,
         "node_id": load.node_id if load else None,
         "last_transfer": load.last_transfer if load else {},

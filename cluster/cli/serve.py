@@ -125,6 +125,8 @@ async def _serve(
     port = listener.getsockname()[1]
     cluster = PDCluster(config)
     logger.info("starting %s cluster (%s): %s", config.mode, cluster.model_id, _pools(config))
+    for line in cluster.rank_capacity():
+        print(line, flush=True)
     await cluster.start()
     try:
         app = build_app(cluster, settings)
@@ -186,10 +188,10 @@ def _draining_server(app, settings: FrontendSettings, drain_timeout_s: float):
 
 def _pools(config: ClusterConfig) -> str:
     if config.mode == "colocated":
-        return f"{config.decode.workers} colocated worker(s)"
+        return f"{config.decode.workers} colocated worker(s) of tp={config.decode.tp}"
     return (
-        f"{config.prefill.workers} prefill + {config.decode.workers} decode worker(s), "
-        f"transport {config.transport.name}"
+        f"{config.prefill.workers} prefill (tp={config.prefill.tp}) + {config.decode.workers} "
+        f"decode worker(s) (tp={config.decode.tp}), transport {config.transport.name}"
     )
 
 

@@ -32,8 +32,10 @@ import logging
 import time
 
 import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.config import ClusterConfig
+from cluster.config import POOL_RESOURCES, ClusterConfig
 from cluster.control.core_plan import CorePlan, plan_cores
 from cluster.control.local_head import local_head_pids, start_local_head
 from cluster.control.prestarted import PrestartedProcesses
@@ -46,7 +48,6 @@ from worker.spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
 
-POOL_RESOURCES = {"prefill": "prefill_pool", "decode": "decode_pool", "colocated": "decode_pool"}
 PRESTARTED_POOL_SHARE = 0.01
 
 
@@ -125,11 +126,18 @@ class Controller:
         return self.config.pool("prefill" if role == "prefill" else "decode").workers
 
     def _spawn(self, worker: WorkerInfo):
-        """Start the next generation of `worker`'s actor in a new process; returns its handle."""
+        """Start the next generation of `worker`'s actor in a new process; returns its handle.
+        A tensor-parallel worker gets a placement group of its own first (one bundle per
+        rank, packed on one node), whose bundle 0 takes this actor, rank 0; rank 0 starts
+        the other ranks in the other bundles."""
         worker.generation += 1
         # A restarted worker gets a fresh name: the dead actor's name is released lazily.
         name = f"pdserve-{worker.worker_id}-g{worker.generation - 1}"
-        return self._start_actor(worker.role, name, 1.0, self._worker_spec(worker))
+        spec = self._worker_spec(worker)
+        if spec.tp_size == 1:
+            return self._start_actor(worker.role, name, 1.0, spec)
+        worker.placement_group = rank_placement_group(spec, name)
+        return self._start_actor(worker.role, name, 1.0, spec, group=worker.placement_group)
 
     def _start_prestarted(self, role: str, name: str):
         """A process for `PrestartedProcesses`: imports done, nothing built. It asks for a
@@ -146,9 +154,11 @@ class Controller:
         pool_units: float,
         spec: WorkerSpec | None,
         transport: str | None = None,
+        group=None,
     ):
         """A worker actor of `role` in a new process, built for `spec`, or prestarted
-        (`spec` None) with `transport`'s module imported."""
+        (`spec` None) with `transport`'s module imported; in bundle 0 of `group` (a
+        tensor-parallel worker's rank 0) where one is given."""
         threads = str(self.config.worker_threads)
         # Keep BLAS/OpenMP pools at the configured size: workers share the cores.
         env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
@@ -163,6 +173,14 @@ class Controller:
             max_concurrency=1000,
             runtime_env={"env_vars": env},
         )
+        if group is not None:
+            options.update(
+                resources=dict(spec.rank_resources),
+                num_gpus=spec.rank_gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    group, placement_group_bundle_index=0
+                ),
+            )
         actor = PrefillWorker if role == "prefill" else DecodeWorker
         return ray.remote(actor).options(**options).remote(spec, transport)
 
@@ -194,6 +212,7 @@ class Controller:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(worker.handle.shutdown.remote(), timeout=5)
             ray.kill(worker.handle, no_restart=True)
+            _release_group(worker)
         self.workers.clear()
         if self.started_ray:
             ray.shutdown()
@@ -291,6 +310,7 @@ class Controller:
             backoff = backoff * 2 if backoff else self.config.restart_backoff_s
             with contextlib.suppress(Exception):
                 ray.kill(worker.handle, no_restart=True)
+            _release_group(worker)  # and with it the dead worker's other ranks
             worker.restarts += 1
             worker.recent_restarts += 1
             try:
@@ -352,3 +372,22 @@ class Controller:
         )
         # A worker that dies while answering is left out; its restart starts empty.
         return {w.worker_id: r for w, r in zip(live, replies, strict=True) if isinstance(r, dict)}
+
+
+def rank_placement_group(spec: WorkerSpec, name: str):
+    """The placement group of one generation of a tensor-parallel worker: a bundle per
+    rank (its share of the pool's resource, and its GPU on GPU pools), STRICT_PACK, so
+    the ranks share a node (their group's store is on loopback)."""
+    bundle = dict(spec.rank_resources)
+    if spec.rank_gpus:
+        bundle["GPU"] = spec.rank_gpus
+    return placement_group([dict(bundle) for _ in range(spec.tp_size)], "STRICT_PACK", name=name)
+
+
+def _release_group(worker: WorkerInfo) -> None:
+    """Remove a dead or stopped generation's placement group (Ray kills what still runs
+    in it: the followers of a rank 0 that is gone)."""
+    group, worker.placement_group = worker.placement_group, None
+    if group is not None:
+        with contextlib.suppress(Exception):
+            remove_placement_group(group)

@@ -18,7 +18,8 @@ on every core; once every worker is up, the controller moves its own process and
 onto `others`. So a restarted worker boots on the dead one's cores, not on a
 survivor's. No plan where it cannot hold: GPU pools, a Ray cluster joined by address,
 colocated workers (one worker has every core), warm spares (a spare that takes over
-would need the dead worker's cores), or more worker threads than cores.
+would need the dead worker's cores), tensor-parallel pools (a worker is several
+processes), or more worker threads than cores.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def plan_cores(config: ClusterConfig, cores: Sequence[int]) -> CorePlan | None:
         return None
     if config.mode != "disaggregated" or config.standby_workers > 0:
         return None
+    if any(config.pool(role).tp > 1 for role in config.roles_in_use):
+        return None  # a worker's ranks are processes of their own, placed by Ray
     threads = config.worker_threads
     planned = config.planned_workers()  # no spares here: every one serves
     if len(planned) * threads > len(cores):

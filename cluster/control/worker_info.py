@@ -42,6 +42,8 @@ class WorkerInfo:
     alive_since: float = 0.0
     dead_since: float | None = None
     """Monotonic time it was marked dead (None while alive)."""
+    placement_group: Any = None
+    """A tensor-parallel worker's current placement group (None: one rank, none)."""
 
     def score(self) -> tuple[float, float]:
         """Lower is better: outstanding work first, then fewer free KV blocks."""

@@ -33,10 +33,16 @@ from engine.demo_model import resolve_model
 from engine.errors import InvalidRequestError
 from engine.kv_cache import KVLayout
 from engine.model_spec import load_model_spec
+from engine.parallel.capacity import shard_parameters
+from engine.parallel.shard import ModelShard
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.2f} MiB"
 
 
 class RequestTimeoutError(TimeoutError):
@@ -62,6 +68,8 @@ class PDCluster:
         context = spec.context_window
         self.max_model_len = min(config.max_model_len or context, context)
         config.check_pools(self.max_model_len)
+        config.check_tp(spec)
+        self.spec = spec
         self.controller = Controller(config)
         self.router = Router(config.router_policy, self.controller.workers)
         self.flow = RequestFlow(config, self.router, self.controller.mark_dead)
@@ -77,6 +85,24 @@ class PDCluster:
         """Observers (metrics, the recovery cost model), called once per request however
         it ended (finished, failed, cancelled, timed out), with the closed request."""
         self._ids = itertools.count()
+
+    def rank_capacity(self) -> list[str]:
+        """One line per pool: what each rank of its workers holds, weights and KV pool, in
+        bytes (`pdserve serve` prints them at start-up)."""
+        lines = []
+        for role in self.config.roles_in_use:
+            engine, tp = self.config.engine_config(role), self.config.pool(role).tp
+            shard = ModelShard.of(self.spec, tp, 0)
+            weights = shard_parameters(self.spec, shard) * engine.torch_dtype.itemsize
+            layout = KVLayout.for_model(self.spec, engine.kv_torch_dtype, engine.block_size, shard)
+            kv = layout.block_nbytes * engine.num_kv_blocks
+            name = "colocated" if self.config.mode == "colocated" else role
+            lines.append(
+                f"{name} workers: tp={tp}, per rank: weights {_mib(weights)}, KV "
+                f"{engine.num_kv_blocks} blocks x {_mib(layout.block_nbytes)} = {_mib(kv)} "
+                f"({layout.num_kv_heads} of {self.spec.num_kv_heads} KV heads)"
+            )
+        return lines
 
     def _remember_decoded(self, req: ClusterRequest) -> None:
         """Its decode worker now caches the prompt and all outputs but the last (whose KV

@@ -257,7 +257,7 @@ class RequestFlow:
         the KV again (`_rebuild_kv`); otherwise the export is released."""
         exporter = req.exporter
         if req.ticket is not None and exporter is not None and exporter.alive:
-            kv_bytes = req.ticket.layout.block_nbytes * len(req.ticket.block_ids)
+            kv_bytes = req.ticket.nbytes
             if self.costs.choose(len(req.prompt_ids), len(req.decided), kv_bytes) == "repull":
                 return True
         req.release_export()
