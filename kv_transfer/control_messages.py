@@ -11,7 +11,8 @@ ones left out), so a sender and a receiver of different versions still agree.
     Begin(nbytes, request_id)        (shm)      Reply(ok)
     Heartbeat(request_id)            (both)     Reply(ok, reason=unknown_request)
     Pair(receiver)                   (coll.)    Reply(ok, prefix=...)
-    Fetch(request_id, dst_block_ids) (coll.)    Reply(ok, piece_bytes=...), ..., Done(nbytes)
+    Fetch(request_id, dst_block_ids[,   (coll.)    Reply(ok, piece_bytes=...), ..., Done(nbytes)
+          first_block])
 
 Parsing is as lenient as the handlers always were (a missing id reads as an unknown
 request); a message that cannot be read at all raises, and the control server closes
@@ -77,15 +78,29 @@ class Pair(_Request):
 
 @dataclass(frozen=True)
 class Fetch(_Request):
-    """collective: send `request_id`'s blocks into the receiver's `dst_block_ids`."""
+    """collective: send `request_id`'s blocks into the receiver's `dst_block_ids`: the
+    export's last ones, or for a segment of a streamed export those from position
+    `first_block` on (sent only when set, so a whole fetch's JSON is as it was)."""
 
     op: ClassVar[str] = "fetch"
     request_id: str
     dst_block_ids: list[int]
+    first_block: int | None = None
+
+    def to_json(self) -> dict:
+        data = super().to_json()
+        if self.first_block is None:
+            del data["first_block"]
+        return data
 
     @classmethod
     def from_json(cls, data: dict) -> Fetch:
-        return cls(str(data.get("request_id")), list(data["dst_block_ids"]))
+        first = data.get("first_block")
+        return cls(
+            str(data.get("request_id")),
+            list(data["dst_block_ids"]),
+            int(first) if first is not None else None,
+        )
 
 
 @dataclass(frozen=True)

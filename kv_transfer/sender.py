@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from engine.kv_cache import KVCachePool
-from kv_transfer.base import ExportTicket, KVSender
+from kv_transfer.base import ExportTicket, KVSender, StreamSegment
 from kv_transfer.config import TransportOptions
 from kv_transfer.device_checksum import checksum_algo_for
 from kv_transfer.endpoints import SenderEndpoint, ServerEndpoint
@@ -72,6 +72,47 @@ class RegistrySender(KVSender):
         algo = checksum_algo_for(self.pool.kv.device, self.options.checksum)
         checksums = block_checksums(self.pool.kv, block_ids, algo)
         self.registry.add(request_id, block_ids, num_tokens, peer_id, checksums)
+        return self._ticket(request_id, block_ids, num_tokens, checksums, algo)
+
+    def export_segment(
+        self,
+        request_id: str,
+        block_ids: list[int],
+        first_block: int,
+        num_tokens: int,
+        peer_id: str,
+        final: bool = False,
+    ) -> ExportTicket:
+        if not block_ids or not all(0 <= b < self.pool.num_blocks for b in block_ids):
+            raise ValueError(f"[request {request_id}] bad block ids {block_ids[:8]}")
+        algo = checksum_algo_for(self.pool.kv.device, self.options.checksum)
+        checksums = block_checksums(self.pool.kv, block_ids, algo)
+        self.registry.add_segment(
+            request_id, block_ids, first_block, num_tokens, peer_id, checksums, final
+        )
+        segment = StreamSegment(first_block, final)
+        return self._ticket(request_id, block_ids, num_tokens, checksums, algo, segment)
+
+    def whole_ticket(self, request_id: str) -> ExportTicket:
+        record = self.registry.get(request_id)
+        if record is None:
+            raise KeyError(f"[request {request_id}] no export")
+        algo = checksum_algo_for(self.pool.kv.device, self.options.checksum)
+        return self._ticket(request_id, record.block_ids, record.num_tokens, record.checksums, algo)
+
+    def push_source(self) -> ExportTicket:
+        algo = checksum_algo_for(self.pool.kv.device, self.options.checksum)
+        return self._ticket("", [], 0, [], algo)
+
+    def _ticket(
+        self,
+        request_id: str,
+        block_ids: list[int],
+        num_tokens: int,
+        checksums: list[int],
+        algo: str,
+        segment: StreamSegment | None = None,
+    ) -> ExportTicket:
         return ExportTicket(
             request_id=request_id,
             sender_id=self.worker_id,
@@ -80,8 +121,9 @@ class RegistrySender(KVSender):
             block_ids=list(block_ids),
             num_tokens=num_tokens,
             lease_ttl_s=self.options.lease_ttl_s,
-            checksums=checksums,
+            checksums=list(checksums),
             checksum_algo=algo,
+            segment=segment,
         )
 
     def ack(self, request_id: str) -> None:

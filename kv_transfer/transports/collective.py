@@ -208,7 +208,7 @@ class CollectiveServer:
         shaper, piece_bytes = self._shaper(), self.piece_bytes
         block_nbytes = self.sender.pool.layout.block_nbytes
         dst = request.dst_block_ids
-        src = requested_blocks(record.block_ids, len(dst))
+        src = requested_blocks(record.block_ids, len(dst), request.first_block)
         if src is None:
             self.sender.registry.end_transfer(request_id, 0, FailureReason.INTERNAL)
             _reply(conn, Reply(False, FailureReason.INTERNAL))
@@ -352,7 +352,7 @@ class CollectiveReceiver(TransportReceiver):
     def _transfer(
         self, pair: _Pair, ticket, dst_block_ids: list[int], deadline: float, verifier
     ) -> None:
-        request = Fetch(ticket.request_id, dst_block_ids)
+        request = Fetch(ticket.request_id, dst_block_ids, ticket.first_block)
         piece_bytes = ticket.sender_endpoint.collective.piece_bytes
         try:
             # Receives posted with the fetch: the first piece flies without waiting for

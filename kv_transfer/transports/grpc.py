@@ -129,7 +129,8 @@ class _Servicer(pb_grpc.KVTransferServicer):
             yield _error(FailureReason.UNKNOWN_REQUEST, "export is gone (acked, expired, aborted)")
             return
         dst = list(request.dst_block_ids)
-        src = requested_blocks(record.block_ids, len(dst))
+        first = request.first_block if request.HasField("first_block") else None
+        src = requested_blocks(record.block_ids, len(dst), first)
         if src is None:
             self.sender.registry.end_transfer(request.request_id, 0, FailureReason.INTERNAL)
             yield _error(
@@ -294,7 +295,10 @@ class GrpcReceiver(TransportReceiver):
     ) -> str:
         fetch = self._fetch_call(ticket)
         request = pb.FetchRequest(
-            request_id=ticket.request_id, receiver_id=self.worker_id, dst_block_ids=dst_block_ids
+            request_id=ticket.request_id,
+            receiver_id=self.worker_id,
+            dst_block_ids=dst_block_ids,
+            first_block=ticket.first_block,
         )
         metadata = [(TOKEN_KEY, self.options.token)]
         call = fetch(request, timeout=remaining(deadline, ticket), metadata=metadata)
