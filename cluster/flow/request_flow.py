@@ -8,6 +8,15 @@ Disaggregated:
     side is acked (blocks freed)
 Colocated:
     router picks a colocated worker -> generate() prefills and decodes in one engine.
+Streamed (`kv_streaming: chunk`): the decode request goes out with the prefill, before
+    any KV exists, so the decode worker reserves its blocks at once; each prefill
+    chunk's completed blocks are exported as a segment as soon as its step ends, and
+    reach the decode worker while the next chunk computes: relayed here one ticket at a
+    time (`kv_transfer_mode: pull`, the decode worker pulls each at once), or sent by
+    the prefill worker's sender down the one transfer the decode worker opened (`push`).
+    The prefill's reply (first token, final segment) is relayed too; the import ends
+    once every block and the first token are there. A prefill worker that dies
+    mid-stream leaves the decode worker what landed: it computes only the rest.
 Where the prompt is prefilled (`disaggregation`, cluster/flow/disaggregation.py): `always`
 on the prefill worker, `never` on the decode worker (no prefill pick, no transfer),
 `auto` per request from measured costs, after the pair is picked. Picks pass the
@@ -46,7 +55,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 
 from cluster.config import ClusterConfig
 from cluster.control.worker_info import WorkerInfo
-from cluster.flow.decode_streams import DecodeStreams, WorkerStreamClosed
+from cluster.flow.decode_streams import DecodeStreams, StartedDecode, WorkerStreamClosed
 from cluster.flow.disaggregation import Disaggregation, PathChoice
 from cluster.flow.recovery_costs import RecoveryCosts
 from cluster.flow.request import (
@@ -62,8 +71,11 @@ from worker.messages import (
     DecodeRequest,
     ErrorEvent,
     ImportEvent,
+    KVStream,
     PrefillRequest,
     PrefillResult,
+    SegmentPublished,
+    StreamUpdate,
     TokenEvent,
 )
 
@@ -87,6 +99,9 @@ class PrefillElsewhere(enum.Enum):
     """`disaggregation` chose the decode worker."""
     NO_PREFILL_WORKER = enum.auto()
     """No prefill worker was alive."""
+    STREAM_CUT = enum.auto()
+    """The prefill worker died mid-stream: the decode worker keeps the segments that
+    landed and computes the rest."""
 
 
 class RequestFlow:
@@ -116,6 +131,12 @@ class RequestFlow:
             config.transport.bandwidth_bytes_per_s,
             decode_chunk=config.decode_prefill_chunk,
         )
+        self.kv_stream = config.kv_stream
+        """How prompts' KV moves (`KVStream`): after the prompt, or chunk by chunk."""
+        self._relays: set[asyncio.Task] = set()
+        """Stream updates on their way to decode workers (held until they land)."""
+        self._push_sources: dict[tuple[str, int], object] = {}
+        """(prefill worker, incarnation) -> its ticket of no blocks (push's start)."""
 
     async def run(self, req: ClusterRequest) -> AsyncIterator[GenerationChunk]:
         if self.config.mode == "disaggregated":
@@ -173,10 +194,13 @@ class RequestFlow:
             req.hold(worker)
             sent = time.monotonic()
             try:
-                reply = await worker.handle.prefill.remote(self._prefill_request(req))
+                reply = await self._run_prefill(req, claim)
             except WORKER_FAILURES as exc:
                 req.let_go(worker)
                 self._failed(claim, exc, req, Recovery.PREFILL_DIED)
+                if req.started_decode is not None:
+                    self._cut_stream(req)
+                    return PrefillElsewhere.STREAM_CUT
                 retried = True
                 continue
             finally:
@@ -192,6 +216,92 @@ class RequestFlow:
             else:
                 req.exporter = worker
             return reply
+
+    async def _run_prefill(self, req: ClusterRequest, claim: Claim) -> PrefillResult | ErrorEvent:
+        """The prefill call; for a streamed request also the start of its decode (the
+        import reserves blocks at once) and the relays of what the prefill makes."""
+        worker = claim.worker
+        stream = await self._start_streamed_decode(req, worker)
+        request = self._prefill_request(req, stream, self.config.kv_streaming == "chunk")
+        if stream == KVStream.WHOLE:
+            return await worker.handle.prefill.remote(request)
+        req.timeline.kv_stream = stream.value
+        decode = req.started_decode_worker
+        reply = None
+        if stream == KVStream.PULL:
+            items = worker.handle.prefill_streamed.options(num_returns="streaming").remote(request)
+            async for ref in items:
+                item = await ref
+                if isinstance(item, SegmentPublished):
+                    self._relay(decode, StreamUpdate(req.request_id, item.ticket))
+                else:
+                    reply = item
+        else:
+            reply = await worker.handle.prefill.remote(request)
+        if reply is None:
+            raise RequestFailedError(req.request_id, "internal", "prefill stream ended early")
+        if isinstance(reply, PrefillResult) and reply.ticket is not None:
+            first = reply.first
+            segment = reply.segment if stream == KVStream.PULL else None
+            update = StreamUpdate(req.request_id, segment, list(first.token_ids), len(first.text))
+            self._relay(decode, update)
+        return reply
+
+    async def _start_streamed_decode(self, req: ClusterRequest, prefill: WorkerInfo) -> KVStream:
+        """Send the decode request ahead of the prefill when this request's KV streams;
+        returns how it moves: `WHOLE` when it does not stream (configured so, a rebuild,
+        no live decode worker picked, or the decode call failed: the decode phase then
+        goes as for any prompt)."""
+        stream = self.kv_stream
+        pick = req.decode_pick
+        if stream == KVStream.WHOLE or pick is None or not pick.worker.alive:
+            return KVStream.WHOLE
+        decode = pick.worker
+        push_from = await self._push_source(prefill) if stream == KVStream.PUSH else None
+        request = DecodeRequest(
+            req.request_id,
+            req.prompt_ids,
+            [],
+            req.params,
+            0,
+            None,
+            req.timeline.arrival,
+            kv_stream=stream,
+            push_from=push_from,
+        )
+        sent = time.monotonic()
+        try:
+            req.started_decode = await self.streams.start(decode, request)
+        except WORKER_FAILURES:
+            return KVStream.WHOLE  # the decode phase finds it dead and picks again
+        req.hold(decode)
+        req.started_decode_worker, req.started_decode_at = decode, sent
+        return stream
+
+    async def _push_source(self, prefill: WorkerInfo):
+        """The prefill worker's ticket of no blocks (endpoint, layout, checksum algorithm):
+        what a push import opens its transfer with. Asked once per incarnation."""
+        key = (prefill.worker_id, prefill.generation)
+        source = self._push_sources.get(key)
+        if source is None:
+            source = await prefill.handle.push_source.remote()
+            self._push_sources[key] = source
+        return source
+
+    def _relay(self, decode: WorkerInfo, update: StreamUpdate) -> None:
+        """Hand a stream update to the decode worker without waiting; a dead one's
+        failure reaches the request through its events."""
+        task = asyncio.ensure_future(_settled_quietly(decode.handle.stream_update.remote(update)))
+        self._relays.add(task)
+        task.add_done_callback(self._relays.discard)
+
+    def _cut_stream(self, req: ClusterRequest) -> None:
+        """The prefill worker died mid-stream: the decode worker keeps what landed and
+        computes the rest (whatever `on_transfer_failure` says: nothing failed to move)."""
+        decode = req.started_decode_worker
+        self._relay(decode, StreamUpdate(req.request_id, cut=True))
+        req.timeline.recovery_paths.append(RecoveryPath.STREAM_KEPT)
+        self._prefill_locally(req, decode, len(req.prompt_ids))
 
     def _prefill_locally(self, req: ClusterRequest, decode: WorkerInfo, tokens: int) -> None:
         """`decode` will compute `tokens` of this request's KV itself: they count as queued
@@ -221,10 +331,18 @@ class RequestFlow:
         req.timeline.disaggregation = choice.as_dict()
         return choice.path == "local"
 
-    def _prefill_request(self, req: ClusterRequest) -> PrefillRequest:
+    def _prefill_request(
+        self, req: ClusterRequest, stream: KVStream = KVStream.WHOLE, per_chunk: bool = True
+    ) -> PrefillRequest:
         peer = req.decode_pick.worker.worker_id if req.decode_pick else ""
         return PrefillRequest(
-            req.request_id, req.prompt_ids, req.params, peer, req.timeline.arrival
+            req.request_id,
+            req.prompt_ids,
+            req.params,
+            peer,
+            req.timeline.arrival,
+            stream,
+            per_chunk,
         )
 
     # --- decode -----------------------------------------------------------------------
@@ -325,8 +443,42 @@ class RequestFlow:
     async def _decode_on(self, claim: Claim, req: ClusterRequest):
         worker = claim.worker
         req.hold(worker)
-        sent = time.monotonic()
-        request = DecodeRequest(
+        events, sent = self._take_started(req, worker), req.started_decode_at
+        try:
+            if events is None:
+                sent = time.monotonic()
+                events = await self.streams.start(worker, self._decode_request(req))
+            async for item in events:
+                if isinstance(item, ImportEvent):
+                    self._on_imported(req, sent, item)
+                elif isinstance(item, ErrorEvent):
+                    req.let_go(worker)
+                    raise _request_error(item)
+                else:
+                    for chunk in self._on_tokens(req, item, worker):
+                        yield chunk
+                    if item.finished:
+                        # Done: not waiting for more, where the worker's death
+                        # would read as this request's and decode it again.
+                        return
+        finally:
+            if events is not None:
+                events.close()
+            claim.release()
+
+    @staticmethod
+    def _take_started(req: ClusterRequest, worker: WorkerInfo) -> StartedDecode | None:
+        """The events of the decode request sent ahead of a streamed prefill, if it went
+        to `worker` (its first decode attempt); any other is dropped here."""
+        started, req.started_decode = req.started_decode, None
+        if started is not None and started.worker_id != worker.worker_id:
+            started.close()
+            return None
+        return started
+
+    @staticmethod
+    def _decode_request(req: ClusterRequest) -> DecodeRequest:
+        return DecodeRequest(
             req.request_id,
             req.prompt_ids,
             list(req.decided),
@@ -335,23 +487,6 @@ class RequestFlow:
             req.ticket,
             req.timeline.arrival,
         )
-        try:
-            async with contextlib.aclosing(self.streams.events(worker, request)) as events:
-                async for item in events:
-                    if isinstance(item, ImportEvent):
-                        self._on_imported(req, sent, item)
-                    elif isinstance(item, ErrorEvent):
-                        req.let_go(worker)
-                        raise _request_error(item)
-                    else:
-                        for chunk in self._on_tokens(req, item, worker):
-                            yield chunk
-                        if item.finished:
-                            # Done: not waiting for more, where the worker's death
-                            # would read as this request's and decode it again.
-                            return
-        finally:
-            claim.release()
 
     def _on_tokens(self, req: ClusterRequest, item: TokenEvent, worker: WorkerInfo):
         if req.local_prefill is not None:  # its prompt is computed: no longer queued
@@ -395,6 +530,8 @@ class RequestFlow:
             return
         prefill = req.exporter.worker_id if req.exporter else "?"
         req.release_export()
+        if event.stream is not None and event.stream.cut:
+            return  # the prefill worker's death, recorded when it was seen: not the link's
         if self.config.on_transfer_failure == "recompute":
             req.timeline.recomputed = True
             req.timeline.recoveries.append(Recovery.TRANSFER_FAILED)
@@ -449,6 +586,12 @@ def kv_only(params: SamplingParams, num_decided: int) -> SamplingParams:
         prompt_logprobs=None,
         structured=None,
     )
+
+
+async def _settled_quietly(ref) -> None:
+    """Await a relay's result so that a dead worker's error is not logged as unhandled."""
+    with contextlib.suppress(Exception):
+        await ref
 
 
 def _note_route(req: ClusterRequest, claim: Claim) -> None:
