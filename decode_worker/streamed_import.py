@@ -5,9 +5,11 @@ Lifecycle (one per request sent with `kv_stream` PULL or PUSH):
     made with the request; the engine's import waits for blocks (the whole prompt's)
     -> `reserved(block_ids, held)`, engine thread: where each block goes, and how many
        leading ones the prefix cache already holds (never pulled)
-    -> segments come in (`add`: pull, relayed by the driver; push: from the standing
-       transfer the worker opened) and are fetched in order, one at a time, on a fetch
-       thread, each into its own blocks; a segment's pull starts the moment it can
+    -> pull: segments come in (`add`, relayed by the driver) and are fetched in order,
+       one at a time, on a fetch thread, each into its own blocks, each the moment it
+       can be; push: one standing transfer from the prefill worker's sender
+       (`KVReceiver.follow`), opened as soon as the blocks are reserved, lands each
+       segment as the sender sends it
     -> `decided()`: the prefill's first token is known (it came with the final segment,
        or after it)
     -> settled exactly once (`settle(self)`): every block landed and the tokens known
@@ -22,9 +24,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 
 from engine import clock
-from kv_transfer.base import ExportTicket, KVReceiver, TransferResult
+from kv_transfer.base import ExportTicket, FailureReason, KVReceiver, TransferResult
 from worker.messages import StreamReceipt
 
 
@@ -39,8 +42,13 @@ class StreamedImport:
         timeout_s: float,
         submit: Callable[[Callable[[], None]], None],
         settle: Callable[[StreamedImport], None],
+        source: ExportTicket | None = None,
     ):
         self.request_id = request_id
+        self.source = source
+        """Push: the prefill worker's ticket of no blocks, which the standing transfer is
+        opened from once the blocks are reserved (`KVReceiver.follow`); None: pull."""
+        self.followed = False
         self.receiver = receiver
         self.timeout_s = timeout_s
         self._submit = submit
@@ -131,16 +139,19 @@ class StreamedImport:
             if self.settled or self.busy or self.dst is None:
                 return
             ended = self.cancelled or self.failure is not None
-            if not ended and self._next_locked() is not None:
+            if not ended and self.source is not None and not self.followed:
+                self.followed = self.busy = True
+                work = self._follow
+            elif not ended and self._next_locked() is not None:
                 self.busy = True
-                start = True
+                work = self._drain
             else:
                 done = self.total is not None and self.landed >= self.total
                 if not (ended or (done and self.tokens_ready) or self.cut):
                     return
-                self.settled, start = True, False
-        if start:
-            self._submit(self._drain)
+                self.settled, work = True, None
+        if work is not None:
+            self._submit(work)
         else:
             self._settle(self)
 
@@ -178,6 +189,35 @@ class StreamedImport:
         finally:
             self._advance()
 
+    def _follow(self) -> None:
+        """Fetch thread (push): the standing transfer, from the first block not held."""
+        try:
+            first = self.landed
+            result = self.receiver.follow(
+                self.source, self.request_id, first, self.dst[first:], self.timeout_s, self._pushed
+            )
+            with self.lock:
+                self.transport = result.transport
+                if result.ok:
+                    self.total = len(self.dst)  # complete: every reserved block is in
+                    self.final_at = self.final_at or clock.now()
+                else:
+                    self.failure = result
+        finally:
+            with self.lock:
+                self.busy = False
+            self._advance()
+
+    def _pushed(self, ticket: ExportTicket, arrived: float, landed: float, nbytes: int) -> None:
+        """A pushed segment landed, verified (on the fetch thread running `_follow`)."""
+        with self.lock:
+            self.fetches.append((arrived, landed))
+            self.num_bytes += nbytes
+            self.landed = ticket.first_block + len(ticket.block_ids)
+            self.latest = ticket
+            if ticket.segment.final:
+                self.final_at = arrived
+
     def _pull(self, ticket: ExportTicket, dst: list[int]) -> bool:
         started = clock.now()
         result = self.receiver.fetch(ticket, dst, self.timeout_s)
@@ -194,7 +234,25 @@ class StreamedImport:
             self.pending.pop(0)
         return True
 
+    def keepalive_ticket(self) -> ExportTicket | None:
+        """What a keepalive of the export goes through while the import waits for blocks:
+        the newest segment's ticket; push, once the prefill is done, the source's under
+        the request's id (before that the export may not exist yet: its growth keeps it)."""
+        with self.lock:
+            if self.latest is not None:
+                return self.latest
+            if self.source is not None and self.tokens_ready:
+                return replace(self.source, request_id=self.request_id)
+            return None
+
     # --- the outcome -----------------------------------------------------------------
+
+    @property
+    def sender_lost(self) -> bool:
+        """The stream was cut by its sender's death (told by the driver, or seen first by
+        a pull or the standing transfer): the rest is computed here, whatever the policy."""
+        failure = self.failure
+        return self.cut or (failure is not None and failure.reason == FailureReason.PEER_DIED)
 
     @property
     def ok(self) -> bool:
@@ -230,5 +288,5 @@ class StreamedImport:
             first_landed_before_final_s=before,
             first_landed_at=first_end,
             kept_blocks=0 if self.ok else self.landed,
-            cut=self.cut,
+            cut=self.sender_lost,
         )

@@ -196,7 +196,7 @@ class DecodeWorker(EngineActor):
             try:
                 item = await asyncio.wait_for(stream.get(), _KEEPALIVE_EVERY_S)
             except asyncio.TimeoutError:
-                ticket = r.ticket if r.kv_stream == KVStream.WHOLE else imported.latest
+                ticket = r.ticket if r.kv_stream == KVStream.WHOLE else imported.keepalive_ticket()
                 if ticket is None:
                     continue  # no segment yet: the export's lease is kept by its growth
                 lost = await self._export_lost(r.request_id, ticket)
@@ -217,6 +217,7 @@ class DecodeWorker(EngineActor):
             self.spec.transport_options.timeout_s,
             lambda fn: self.fetch_pool.submit(fn),
             lambda done: self.loop.post(lambda e: self._settle_streamed(e, done)),
+            r.push_from if r.kv_stream == KVStream.PUSH else None,
         )
         self.streamed[r.request_id] = imported
         return imported
@@ -253,7 +254,7 @@ class DecodeWorker(EngineActor):
         seq = engine.sequences.get(request_id)
         if seq is None or not seq.block_ids:
             return  # dropped before its blocks were reserved: nothing landed
-        recompute = imported.cut or self.spec.on_transfer_failure == "recompute"
+        recompute = imported.sender_lost or self.spec.on_transfer_failure == "recompute"
         size = engine.config.block_size
         engine.finish_import(request_id, imported.ok, recompute, imported.landed * size)
         failure = imported.failure

@@ -297,6 +297,27 @@ class KVReceiver(ABC):
         `held_blocks` blocks, so only the others move, one per `dst_block_ids` entry
         (the pull asks for the export's tail: `len(dst_block_ids)` blocks)."""
 
+    def follow(
+        self,
+        source: ExportTicket,
+        request_id: str,
+        first_block: int,
+        dst_block_ids: list[int],
+        timeout_s: float,
+        on_segment,
+    ) -> TransferResult:
+        """Called by the decode worker on a fetch thread once a pushed request's blocks
+        are reserved (`kv_transfer_mode: push`, kv_transfer/push.py), before its export
+        may exist: opens one standing transfer from `source`'s sender (a
+        `KVSender.push_source` ticket) for `request_id`'s export from block position
+        `first_block` on, into `dst_block_ids` (its blocks for those positions, in
+        order). The sender sends each run of blocks as soon as it is exported; each is
+        verified, then `on_segment(segment ticket, arrived, landed, bytes)` is called.
+        Returns once the export is complete and every block landed (DONE), or failed
+        (as data, like `fetch`; `cancel` applies). On failure the caller frees what it
+        reserved, or keeps the segments `on_segment` reported."""
+        raise NotImplementedError
+
     def cancel(self, request_id: str) -> None:
         """Called by the decode worker when a request is aborted while its fetch runs (on
         any thread): the fetch fails with CANCELLED at its next piece or wait."""

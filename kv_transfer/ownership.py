@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -33,6 +34,9 @@ from kv_transfer.base import FailureReason, TransferState
 from kv_transfer.stats import SenderStats, bump
 
 logger = logging.getLogger(__name__)
+
+GONE_IDS_KEPT = 4096
+"""Released request ids an `ExportRegistry` remembers for pushers (`released`)."""
 
 
 @dataclass
@@ -81,6 +85,8 @@ class ExportRegistry:
         self._lock = threading.Lock()
         self._grown = threading.Condition(self._lock)
         """Notified when a streamed export gains blocks or any export is released."""
+        self._gone: OrderedDict[str, None] = OrderedDict()
+        """Request ids released lately, oldest first (`released`)."""
         self._listeners: list[ExportListener] = []
         self._stop = threading.Event()
         interval = reap_interval_s or min(max(lease_ttl_s / 4, 0.01), 1.0)
@@ -114,6 +120,7 @@ class ExportRegistry:
                 lease_expires_at=time.monotonic() + self.lease_ttl_s,
             )
             self._records[request_id] = record
+            self._gone.pop(request_id, None)
             self._stats.exports += 1
             for listener in self._listeners:
                 listener.published(record)
@@ -153,6 +160,7 @@ class ExportRegistry:
                     complete=False,
                 )
                 self._records[request_id] = record
+                self._gone.pop(request_id, None)
                 self._stats.exports += 1
             # New lists: copies handed out earlier (`begin_transfer`, `get`) share the old.
             record.block_ids = record.block_ids + list(block_ids)
@@ -170,17 +178,27 @@ class ExportRegistry:
     def wait_for_blocks(self, request_id: str, have: int, timeout_s: float) -> ExportRecord | None:
         """Called by a server thread pushing a streamed export: waits until the export
         holds more than `have` blocks or is complete (or `timeout_s` passed), and
-        returns a copy of it then; None once it is gone."""
+        returns a copy of it then; None while it does not exist (not yet, or no more:
+        `released`)."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
             while True:
                 record = self._records.get(request_id)
-                if record is None:
-                    return None
                 left = deadline - time.monotonic()
-                if len(record.block_ids) > have or record.complete or left <= 0:
+                if record is None and (left <= 0 or request_id in self._gone):
+                    return None
+                if record is not None and (
+                    len(record.block_ids) > have or record.complete or left <= 0
+                ):
                     return replace(record)
                 self._grown.wait(left)
+
+    def released(self, request_id: str) -> bool:
+        """Whether `request_id`'s export was released lately (acked, aborted, expired):
+        a pusher waiting for an export that does not exist yet tells it from one that is
+        gone by this (the last `GONE_IDS_KEPT` releases are remembered)."""
+        with self._lock:
+            return request_id in self._gone
 
     def ack(self, request_id: str) -> bool:
         """Receiver has the blocks: release them. False when already released (late ack)."""
@@ -294,6 +312,9 @@ class ExportRegistry:
                 self._stats.transfers_served += 1
                 self._stats.bytes_sent += copied
             self._released.append(record.block_ids)
+            self._gone[request_id] = None
+            while len(self._gone) > GONE_IDS_KEPT:
+                self._gone.popitem(last=False)
             self._grown.notify_all()
             if final == TransferState.DONE:
                 self._stats.acks += 1

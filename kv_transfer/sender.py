@@ -12,17 +12,19 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 from engine.kv_cache import KVCachePool
 from kv_transfer.base import ExportTicket, KVSender, StreamSegment
 from kv_transfer.config import TransportOptions
+from kv_transfer.control_messages import SegmentNote
 from kv_transfer.device_checksum import checksum_algo_for
 from kv_transfer.endpoints import SenderEndpoint, ServerEndpoint
 from kv_transfer.integrity import block_checksums
 from kv_transfer.node import node_id
 from kv_transfer.ownership import ExportRegistry
+from kv_transfer.push import pushed_segments
 from kv_transfer.stats import SenderStats
 
 logger = logging.getLogger(__name__)
@@ -138,6 +140,19 @@ class RegistrySender(KVSender):
 
     def heartbeat(self, request_id: str) -> bool:
         return self.registry.heartbeat(request_id)
+
+    def pushed(self, request_id: str, first_block: int) -> Iterator[SegmentNote | None]:
+        """For a transport server serving a receiver's standing transfer (push): the
+        export's runs of blocks from `first_block` on as they are exported, None while
+        none comes (`kv_transfer.push.pushed_segments`; raises `ExportGone`). An export
+        that does not appear within a lease's time is taken as gone."""
+        return pushed_segments(
+            self.registry,
+            request_id,
+            first_block,
+            appear_within_s=self.options.lease_ttl_s,
+            block_nbytes=self.pool.layout.block_nbytes,
+        )
 
     def lease_beats(self, request_id: str) -> Callable[[], None]:
         """For a transport server streaming an export's pieces after `begin_transfer`

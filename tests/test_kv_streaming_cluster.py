@@ -18,6 +18,7 @@ import pytest
 from cluster.flow.cluster import PDCluster
 from engine.sampling_params import SamplingParams
 from tests.cluster_helpers import assert_cluster_leak_free, reference_outputs, tiny_cluster_config
+from worker.messages import KVStream
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +56,8 @@ def test_streamed_transfer_overlaps_compute_and_survives_a_prefill_death(
         cluster = await PDCluster(config).start()
         cluster.on_finish.append(closed.append)
         try:
-            overlap = await one_streamed_request(cluster)
+            overlap = [await one_streamed_request(cluster, stream) for stream in KVStream]
+            cluster.flow.kv_stream = KVStream.PULL
             killed = await kill_prefill_mid_stream(cluster)
             await assert_cluster_leak_free(cluster, wait_s=15)
             after = await collect(cluster, LONG_PROMPT)
@@ -64,19 +66,27 @@ def test_streamed_transfer_overlaps_compute_and_survives_a_prefill_death(
         finally:
             await cluster.shutdown()
 
-    (tokens, receipt, last_chunk_end), (results, held), (after, _) = asyncio.run(main())
-    assert tokens == expected[0]
-    # Chunk 1's blocks were on the decode worker before the prompt's last chunk ended
-    # (one node: both workers' monotonic clocks are the machine's), and the receipt
-    # proves it on the decode worker's clock alone: they landed before the final segment.
-    assert receipt.first_landed_at < last_chunk_end
-    assert receipt.first_landed_before_final_s > 0
-    assert receipt.hidden_s > 0 and receipt.segments == 4
-    print(
-        f"\noverlap: chunk 1 landed {1000 * (last_chunk_end - receipt.first_landed_at):.0f} ms "
-        f"before the last chunk ended; hidden {1000 * receipt.hidden_s:.0f} ms, exposed "
-        f"{1000 * receipt.exposed_s:.0f} ms"
-    )
+    overlap, (results, held), (after, _) = asyncio.run(main())
+    whole, *streamed = overlap
+    assert all(tokens == expected[0] for tokens, *_ in overlap)
+    assert whole[1] is None  # a whole-prompt transfer: nothing hidden, all exposed
+    for stream, (_, receipt, last_chunk_end, timings) in zip(
+        [KVStream.PULL, KVStream.PUSH], streamed, strict=True
+    ):
+        # Chunk 1's blocks were on the decode worker before the prompt's last chunk ended
+        # (one node: both workers' monotonic clocks are the machine's), and the receipt
+        # proves it on the decode worker's clock alone: they landed before the final
+        # segment arrived.
+        assert receipt.first_landed_at < last_chunk_end, stream
+        assert receipt.first_landed_before_final_s > 0, stream
+        assert receipt.hidden_s > 0 and receipt.segments == 4, (stream, receipt)
+        assert timings["kv_transfer_exposed_s"] < timings["kv_transfer_s"], timings
+        print(
+            f"\n{stream}: chunk 1 landed {1000 * (last_chunk_end - receipt.first_landed_at):.0f}"
+            f" ms before the last chunk ended; hidden {1000 * receipt.hidden_s:.0f} ms, "
+            f"exposed {1000 * receipt.exposed_s:.0f} ms; TTFT {1000 * timings['ttft_s']:.0f} ms"
+            f" (whole: {1000 * whole[3]['ttft_s']:.0f} ms)"
+        )
     # The kill struck mid-stream: the dead worker held streamed exports in flight.
     assert held, "the kill found no stream in flight"
     assert [tokens for tokens, _ in results] == expected[1:]
@@ -95,18 +105,20 @@ async def collect(cluster, prompt):
     return tokens, last.timings
 
 
-async def one_streamed_request(cluster):
-    """(tokens, the import's stream receipt, when the prefill's last chunk step ended)."""
+async def one_streamed_request(cluster, stream: KVStream):
+    """(tokens, the import's stream receipt, when the prefill's last chunk step ended,
+    the timings) of `LONG_PROMPT` with its KV moved as `stream` says."""
+    cluster.flow.kv_stream = stream
     closed = []
     cluster.on_finish.append(closed.append)
     tokens, timings = await collect(cluster, LONG_PROMPT)
     cluster.on_finish.remove(closed.append)
-    assert timings["kv_stream"] == "pull" and not timings["recoveries"], timings
+    assert timings["kv_stream"] == stream.value and not timings["recoveries"], timings
     receipt = closed[0].timeline.imported.stream
-    steps = await cluster.controller.workers["prefill-0"].handle.steps.remote(64)
+    steps = await cluster.controller.workers["prefill-0"].handle.steps.remote(4)
     chunks = [s for s in steps if s["prefill_tokens"] > 0]
     assert [s["prefill_tokens"] for s in chunks] == [16, 16, 16, 16]
-    return tokens, receipt, chunks[-1]["started"] + chunks[-1]["seconds"]
+    return tokens, receipt, chunks[-1]["started"] + chunks[-1]["seconds"], timings
 
 
 async def kill_prefill_mid_stream(cluster):

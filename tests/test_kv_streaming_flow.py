@@ -25,7 +25,13 @@ PROMPTS = [[(5 * i + 11 * j) % 290 + 3 for j in range(n)] for i, n in enumerate(
 """Lengths across the prefill chunk (16) and block (8): 3 chunks and a partial block,
 2 chunks, one chunk, two whole chunks of whole blocks."""
 CHUNK, BLOCK = 16, 8
-STREAMS = [KVStream.WHOLE, KVStream.PULL]
+MODES = [
+    (KVStream.WHOLE, False),
+    (KVStream.PULL, True),
+    (KVStream.PUSH, True),
+    (KVStream.PUSH, False),
+]
+"""(how the KV moves, a segment per chunk): whole pull, chunk pull, chunk push, whole push."""
 
 
 def config_of(model_dir, transport: str) -> ClusterConfig:
@@ -34,12 +40,12 @@ def config_of(model_dir, transport: str) -> ClusterConfig:
     )
 
 
-async def run_mode(cluster: InProcessCluster, stream: KVStream) -> dict:
+async def run_mode(cluster: InProcessCluster, stream: KVStream, per_chunk: bool) -> dict:
     """Every prompt twice (the second time both prefix caches hold its full blocks), then
     n=3 sampled choices of the first prompt; salted per mode, so no mode reuses
     another's blocks."""
-    cluster.flow.kv_stream = stream
-    salt = {"cache_salt": f"mode-{stream}"}
+    cluster.flow.kv_stream, cluster.flow.per_chunk = stream, per_chunk
+    salt = {"cache_salt": f"mode-{stream}-{per_chunk}"}
     greedy = dataclasses.replace(GREEDY, **salt)
     runs = []
     for repeat in range(2):
@@ -61,26 +67,31 @@ def test_streamed_tokens_equal_whole_prompt_transfers(tiny_llama_dir, transport)
     async def main():
         cluster = InProcessCluster(config_of(tiny_llama_dir, transport))
         try:
-            results = {stream: await run_mode(cluster, stream) for stream in STREAMS}
+            results = {mode: await run_mode(cluster, *mode) for mode in MODES}
             await cluster.assert_leak_free()
             return results
         finally:
             await cluster.shutdown()
 
     results = asyncio.run(main())
-    whole = results[KVStream.WHOLE]
-    for stream in STREAMS[1:]:
-        streamed = results[stream]
-        assert [r[2] for r in streamed["runs"]] == [r[2] for r in whole["runs"]], stream
-        assert streamed["choices"] == whole["choices"], stream
+    whole = results[MODES[0]]
+    for (stream, per_chunk), streamed in list(results.items())[1:]:
+        mode = (stream, per_chunk)
+        assert [r[2] for r in streamed["runs"]] == [r[2] for r in whole["runs"]], mode
+        assert streamed["choices"] == whole["choices"], mode
         assert len({tuple(c) for c in streamed["choices"]}) > 1  # sampled: they differ
         for repeat, prompt, _, timeline in streamed["runs"]:
             breakdown = timeline.breakdown()
             assert breakdown["kv_stream"] == stream.value
             assert timeline.transfer_ok and not timeline.recoveries
             blocks = blocks_needed(len(prompt), BLOCK)
-            if repeat == 0:  # nothing cached: a segment per prefill chunk
-                assert breakdown["kv_stream_segments"] == -(-len(prompt) // CHUNK)
+            chunks = -(-len(prompt) // CHUNK)
+            if repeat == 0:  # nothing cached: a segment per prefill chunk (push may send
+                # two at once, when the second was exported before the first went out)
+                segments = breakdown["kv_stream_segments"]
+                assert segments == chunks if stream == KVStream.PULL else segments >= 1
+                if not per_chunk:
+                    assert segments == 1
                 assert breakdown["kv_blocks_moved"] == blocks
             else:  # only the blocks the decode worker's cache lacks move
                 reused = breakdown["decode_reused_blocks"]
@@ -88,13 +99,16 @@ def test_streamed_tokens_equal_whole_prompt_transfers(tiny_llama_dir, transport)
                 assert breakdown["kv_blocks_moved"] == blocks - reused
 
 
-def test_a_cancel_mid_stream_stops_both_sides_and_leaks_nothing(tiny_llama_dir, monkeypatch):
+@pytest.mark.parametrize(("transport", "stream"), [("shm", KVStream.PULL), ("grpc", KVStream.PUSH)])
+def test_a_cancel_mid_stream_stops_both_sides_and_leaks_nothing(
+    tiny_llama_dir, monkeypatch, transport, stream
+):
     monkeypatch.setenv("PDSERVE_STEP_DELAY_S", "0.05")  # read by the engines at build
     prompt = [(3 * j) % 290 + 7 for j in range(64)]  # 4 chunks: ~0.2 s of prefill
 
     async def main():
-        cluster = InProcessCluster(config_of(tiny_llama_dir, "shm"))
-        cluster.flow.kv_stream = KVStream.PULL
+        cluster = InProcessCluster(config_of(tiny_llama_dir, transport))
+        cluster.flow.kv_stream = stream
         try:
             task = asyncio.ensure_future(cluster.generate(prompt, GREEDY))
             imported = await _first_segment_landed(cluster)

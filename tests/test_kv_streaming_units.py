@@ -136,3 +136,94 @@ def test_a_segment_pull_names_its_blocks_and_a_whole_pull_is_unchanged():
     whole = Fetch("r", [1, 2]).to_json()
     assert whole == {"op": "fetch", "request_id": "r", "dst_block_ids": [1, 2]}
     assert parse_request({**whole, "first_block": 4}) == Fetch("r", [1, 2], 4)
+
+
+# --- push: the receiver's standing transfer, opened before the export exists -----------
+
+PUSH_TRANSPORTS = ["local", "shm", "collective", "grpc"]
+
+
+def follow_in_thread(receiver, sender, request_id, first, dst, timeout_s=20):
+    """Start `receiver.follow` on a thread; returns (thread, results, segments seen)."""
+    results, landed = [], []
+
+    def on_segment(ticket, arrived, done, nbytes):
+        landed.append((ticket.first_block, len(ticket.block_ids), ticket.segment.final, nbytes))
+
+    def run():
+        source = sender.push_source()
+        results.append(receiver.follow(source, request_id, first, dst, timeout_s, on_segment))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, results, landed
+
+
+@pytest.mark.parametrize("transport", PUSH_TRANSPORTS)
+@pytest.mark.parametrize("held", [0, 3])
+def test_pushed_segments_land_as_they_are_exported(transport, held):
+    source, dest = random_pool(seed=1), random_pool(seed=2)
+    sender = make_sender(transport, f"prefill-push-{transport}-{held}", source, OPTIONS)
+    receiver = make_receiver(transport, f"decode-push-{transport}-{held}", dest, OPTIONS)
+    dst = [40 + i for i in range(len(EXPORTED))]
+    untouched = dest.kv.clone()
+    try:
+        # 1. The receiver follows before anything is exported (the prompt is queued).
+        thread, results, landed = follow_in_thread(receiver, sender, "r", held, dst[held:])
+        time.sleep(0.3)  # past a keepalive: the standing transfer waits, it does not fail
+        # 2. Segments come one by one; each reaches the receiver without being asked for.
+        for first, stop in SEGMENTS:
+            final = stop == len(EXPORTED)
+            tokens = stop * LAYOUT.block_size - (3 if final else 0)
+            sender.export_segment("r", EXPORTED[first:stop], first, tokens, "d", final)
+            if not final and stop > held:
+                _wait_until(
+                    lambda stop=stop: landed and sum(n for _, n, _, _ in landed) >= stop - held
+                )
+        thread.join(20)
+        # 3. Every block from `held` on landed, verified; the held ones were not written.
+        assert results and results[0].ok, results
+        assert results[0].num_bytes == (len(EXPORTED) - held) * LAYOUT.block_nbytes
+        assert torch.equal(dest.kv[dst[held:]], source.kv[EXPORTED[held:]])
+        assert torch.equal(dest.kv[dst[:held]], untouched[dst[:held]])
+        assert landed[0][0] == held and landed[-1][2]  # from the first block needed; final last
+        positions = [first for first, *_ in landed]
+        assert positions == sorted(positions)
+        sender.ack("r")
+        assert sender.poll_released() == [EXPORTED]
+    finally:
+        receiver.close()
+        sender.close()
+
+
+@pytest.mark.parametrize("transport", PUSH_TRANSPORTS)
+def test_a_standing_transfer_ends_on_cancel_and_on_an_aborted_export(transport):
+    source, dest = random_pool(seed=1), random_pool(seed=2)
+    sender = make_sender(transport, f"prefill-pushcut-{transport}", source, OPTIONS)
+    receiver = make_receiver(transport, f"decode-pushcut-{transport}", dest, OPTIONS)
+    try:
+        thread, results, _ = follow_in_thread(receiver, sender, "c", 0, [40, 41, 42])
+        time.sleep(0.3)
+        started = time.monotonic()
+        receiver.cancel("c")  # the request was aborted while its prompt was queued
+        thread.join(5)
+        assert results and results[0].reason.value == "cancelled", results
+        assert time.monotonic() - started < 2  # at the next keepalive, not the timeout
+        thread, results, landed = follow_in_thread(receiver, sender, "a", 0, [40, 41, 42])
+        sender.export_segment("a", EXPORTED[:2], 0, 16, "d")
+        _wait_until(lambda: landed)
+        sender.abort("a")  # cancelled on the prefill side mid-stream
+        thread.join(5)
+        assert results and results[0].reason.value == "unknown_request", results
+        assert landed == [(0, 2, False, 2 * LAYOUT.block_nbytes)]  # what came first counts
+        assert sender.poll_released() == [EXPORTED[:2]]
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def _wait_until(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)

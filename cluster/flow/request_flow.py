@@ -132,7 +132,9 @@ class RequestFlow:
             decode_chunk=config.decode_prefill_chunk,
         )
         self.kv_stream = config.kv_stream
-        """How prompts' KV moves (`KVStream`): after the prompt, or chunk by chunk."""
+        """How prompts' KV moves (`KVStream`): whole and pulled, segments pulled, pushed."""
+        self.per_chunk = config.kv_streaming == "chunk"
+        """Pushed exports: a segment per prefill chunk (else one, after the prompt)."""
         self._relays: set[asyncio.Task] = set()
         """Stream updates on their way to decode workers (held until they land)."""
         self._push_sources: dict[tuple[str, int], object] = {}
@@ -222,7 +224,7 @@ class RequestFlow:
         import reserves blocks at once) and the relays of what the prefill makes."""
         worker = claim.worker
         stream = await self._start_streamed_decode(req, worker)
-        request = self._prefill_request(req, stream, self.config.kv_streaming == "chunk")
+        request = self._prefill_request(req, stream, self.per_chunk)
         if stream == KVStream.WHOLE:
             return await worker.handle.prefill.remote(request)
         req.timeline.kv_stream = stream.value
@@ -531,7 +533,14 @@ class RequestFlow:
         prefill = req.exporter.worker_id if req.exporter else "?"
         req.release_export()
         if event.stream is not None and event.stream.cut:
-            return  # the prefill worker's death, recorded when it was seen: not the link's
+            # The prefill worker died mid-stream: what landed was kept, the rest computed
+            # on the decode worker whatever the policy (recorded here unless this driver
+            # saw the death first and cut the stream itself).
+            req.timeline.recomputed = True
+            if RecoveryPath.STREAM_KEPT not in req.timeline.recovery_paths:
+                req.timeline.recoveries.append(Recovery.TRANSFER_FAILED)
+                req.timeline.recovery_paths.append(RecoveryPath.STREAM_KEPT)
+            return
         if self.config.on_transfer_failure == "recompute":
             req.timeline.recomputed = True
             req.timeline.recoveries.append(Recovery.TRANSFER_FAILED)
