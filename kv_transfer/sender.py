@@ -145,12 +145,13 @@ class RegistrySender(KVSender):
         """For a transport server serving a receiver's standing transfer (push): the
         export's runs of blocks from `first_block` on as they are exported, None while
         none comes (`kv_transfer.push.pushed_segments`; raises `ExportGone`). An export
-        that does not appear within a lease's time is taken as gone."""
+        not there yet is waited for as long as the receiver waits: its prompt may be
+        queued behind others, and a receiver that goes away breaks the transfer."""
         return pushed_segments(
             self.registry,
             request_id,
             first_block,
-            appear_within_s=self.options.lease_ttl_s,
+            appear_within_s=float("inf"),
             block_nbytes=self.pool.layout.block_nbytes,
         )
 

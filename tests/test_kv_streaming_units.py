@@ -222,6 +222,25 @@ def test_a_standing_transfer_ends_on_cancel_and_on_an_aborted_export(transport):
         sender.close()
 
 
+@pytest.mark.parametrize("transport", PUSH_TRANSPORTS)
+def test_a_standing_transfer_waits_for_a_slow_prefill_past_its_timeout(transport):
+    """The sender's `Waiting` notes keep it open: a prompt may be queued or prefill for
+    longer than one message's timeout."""
+    source, dest = random_pool(seed=1), random_pool(seed=2)
+    sender = make_sender(transport, f"prefill-slow-{transport}", source, OPTIONS)
+    receiver = make_receiver(transport, f"decode-slow-{transport}", dest, OPTIONS)
+    try:
+        thread, results, _ = follow_in_thread(receiver, sender, "s", 0, [40, 41], timeout_s=0.4)
+        time.sleep(1.0)  # 2.5 timeouts with nothing exported
+        sender.export_segment("s", EXPORTED[:2], 0, 12, "d", final=True)
+        thread.join(10)
+        assert results and results[0].ok, results
+        assert torch.equal(dest.kv[[40, 41]], source.kv[EXPORTED[:2]])
+    finally:
+        receiver.close()
+        sender.close()
+
+
 def _wait_until(condition, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():

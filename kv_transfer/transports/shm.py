@@ -533,11 +533,11 @@ class ShmReceiver(TransportReceiver):
         try:
             self._send(conn, ticket, Follow(ticket.request_id, followed.first_block, []))
             while True:
-                deadline = time.monotonic() + timeout_s
-                message = self._next_note(conn, ticket, deadline)
+                message = self._next_note(conn, ticket, timeout_s)
                 if message is None:
                     break  # done: the export is complete
                 segment, dst, verifier, arrived = followed.open(message)
+                deadline = time.monotonic() + timeout_s
                 self._copy(segment, src, dst, deadline, verifier, beat=None)
                 followed.landed(segment, verifier, arrived)
         except BaseException:
@@ -548,10 +548,12 @@ class ShmReceiver(TransportReceiver):
         followed.ended()
         return "shm"
 
-    def _next_note(self, conn: ControlConnection, ticket, deadline: float) -> SegmentNote | None:
+    def _next_note(self, conn: ControlConnection, ticket, timeout_s: float) -> SegmentNote | None:
         """The next segment of a standing transfer (None: it ended), through its sender's
-        `Waiting` notes, failing at once on a cancel or a refusal."""
+        `Waiting` notes (each gives the sender `timeout_s` more), failing at once on a
+        cancel or a refusal."""
         while True:
+            deadline = time.monotonic() + timeout_s
             try:
                 message = conn.recv(remaining(deadline, ticket))
             except TimeoutError:
