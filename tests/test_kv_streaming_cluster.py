@@ -57,7 +57,7 @@ def test_streamed_transfer_overlaps_compute_and_survives_a_prefill_death(
         cluster.on_finish.append(closed.append)
         try:
             overlap = [await one_streamed_request(cluster, stream) for stream in KVStream]
-            cluster.flow.kv_stream = KVStream.PULL
+            cluster.flow.delivery.kv_stream = KVStream.PULL
             killed = await kill_prefill_mid_stream(cluster)
             await assert_cluster_leak_free(cluster, wait_s=15)
             after = await collect(cluster, LONG_PROMPT)
@@ -108,7 +108,7 @@ async def collect(cluster, prompt):
 async def one_streamed_request(cluster, stream: KVStream):
     """(tokens, the import's stream receipt, when the prefill's last chunk step ended,
     the timings) of `LONG_PROMPT` with its KV moved as `stream` says."""
-    cluster.flow.kv_stream = stream
+    cluster.flow.delivery.kv_stream = stream
     closed = []
     cluster.on_finish.append(closed.append)
     tokens, timings = await collect(cluster, LONG_PROMPT)

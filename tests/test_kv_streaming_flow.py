@@ -12,8 +12,15 @@ import pytest
 
 from cluster.api.choice_fanout import ChoiceFanout
 from cluster.config import ClusterConfig, ConfigError
+from cluster.flow.disaggregation import (
+    DEFAULT_OVERHEAD_S,
+    PathInputs,
+    exposed_transfer_s,
+    predict,
+)
 from engine.block_manager import blocks_needed
 from engine.sampling_params import SamplingParams
+from engine.step_costs import StepCosts
 from tests.cluster_helpers import tiny_cluster_config
 from tests.inprocess_cluster import InProcessCluster
 from worker.messages import KVStream
@@ -44,7 +51,7 @@ async def run_mode(cluster: InProcessCluster, stream: KVStream, per_chunk: bool)
     """Every prompt twice (the second time both prefix caches hold its full blocks), then
     n=3 sampled choices of the first prompt; salted per mode, so no mode reuses
     another's blocks."""
-    cluster.flow.kv_stream, cluster.flow.per_chunk = stream, per_chunk
+    cluster.flow.delivery.kv_stream, cluster.flow.delivery.per_chunk = stream, per_chunk
     salt = {"cache_salt": f"mode-{stream}-{per_chunk}"}
     greedy = dataclasses.replace(GREEDY, **salt)
     runs = []
@@ -108,7 +115,7 @@ def test_a_cancel_mid_stream_stops_both_sides_and_leaks_nothing(
 
     async def main():
         cluster = InProcessCluster(config_of(tiny_llama_dir, transport))
-        cluster.flow.kv_stream = stream
+        cluster.flow.delivery.kv_stream = stream
         try:
             task = asyncio.ensure_future(cluster.generate(prompt, GREEDY))
             imported = await _first_segment_landed(cluster)
@@ -152,3 +159,29 @@ def test_a_config_that_cannot_stream_is_refused_at_start(changes, refusal):
     with pytest.raises(ConfigError, match=refusal):
         ClusterConfig().replace(kv_transfer_mode="push", **changes)
     assert ClusterConfig().replace(**changes).kv_stream == KVStream.WHOLE  # whole: as before
+
+
+def test_auto_prices_a_streamed_transfer_at_what_the_prefill_does_not_hide():
+    """`disaggregation: auto` with `kv_streaming: chunk`: the remote path pays only the
+    exposed transfer, so it wins at slower links than with whole-prompt transfers."""
+    costs = StepCosts(prefill_fixed_s=0.01, prefill_token_s=0.001)
+    inputs = PathInputs(
+        prompt_tokens=2048,
+        block_size=16,
+        block_bytes=368_640,
+        prefill_costs=costs,
+        decode_costs=None,
+        bandwidth=20e6,
+        prefill_chunk=512,
+    )
+    whole, _, _ = predict(inputs)
+    streamed, _, _ = predict(dataclasses.replace(inputs, streamed=True))
+    compute = 4 * 0.01 + 2048 * 0.001
+    transfer = 128 * 368_640 / 20e6
+    assert whole == pytest.approx(compute + DEFAULT_OVERHEAD_S + transfer)
+    assert streamed == pytest.approx(
+        compute + DEFAULT_OVERHEAD_S + exposed_transfer_s(compute, transfer, 4)
+    )
+    assert exposed_transfer_s(4.0, 2.0, 4) == pytest.approx(0.5)  # the last chunk's share
+    assert exposed_transfer_s(1.0, 8.0, 4) == pytest.approx(7.25)  # link-bound
+    assert exposed_transfer_s(1.0, 3.0, 1) == pytest.approx(3.0)  # one chunk: all of it

@@ -44,7 +44,6 @@ ends; the flow itself never aborts or releases on its way out.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import enum
 import logging
@@ -57,6 +56,7 @@ from cluster.config import ClusterConfig
 from cluster.control.worker_info import WorkerInfo
 from cluster.flow.decode_streams import DecodeStreams, StartedDecode, WorkerStreamClosed
 from cluster.flow.disaggregation import Disaggregation, PathChoice
+from cluster.flow.kv_delivery import KVDelivery
 from cluster.flow.recovery_costs import RecoveryCosts
 from cluster.flow.request import (
     ClusterRequest,
@@ -74,8 +74,6 @@ from worker.messages import (
     KVStream,
     PrefillRequest,
     PrefillResult,
-    SegmentPublished,
-    StreamUpdate,
     TokenEvent,
 )
 
@@ -130,15 +128,10 @@ class RequestFlow:
             config.block_size,
             config.transport.bandwidth_bytes_per_s,
             decode_chunk=config.decode_prefill_chunk,
+            streamed=config.kv_streaming == "chunk",
         )
-        self.kv_stream = config.kv_stream
-        """How prompts' KV moves (`KVStream`): whole and pulled, segments pulled, pushed."""
-        self.per_chunk = config.kv_streaming == "chunk"
-        """Pushed exports: a segment per prefill chunk (else one, after the prompt)."""
-        self._relays: set[asyncio.Task] = set()
-        """Stream updates on their way to decode workers (held until they land)."""
-        self._push_sources: dict[tuple[str, int], object] = {}
-        """(prefill worker, incarnation) -> its ticket of no blocks (push's start)."""
+        self.delivery = KVDelivery(config, self.streams)
+        """How prompts' KV reaches the decode workers: whole, or streamed (pulled, pushed)."""
 
     async def run(self, req: ClusterRequest) -> AsyncIterator[GenerationChunk]:
         if self.config.mode == "disaggregated":
@@ -220,90 +213,16 @@ class RequestFlow:
             return reply
 
     async def _run_prefill(self, req: ClusterRequest, claim: Claim) -> PrefillResult | ErrorEvent:
-        """The prefill call; for a streamed request also the start of its decode (the
-        import reserves blocks at once) and the relays of what the prefill makes."""
-        worker = claim.worker
-        stream = await self._start_streamed_decode(req, worker)
-        request = self._prefill_request(req, stream, self.per_chunk)
-        if stream == KVStream.WHOLE:
-            return await worker.handle.prefill.remote(request)
-        req.timeline.kv_stream = stream.value
-        decode = req.started_decode_worker
-        reply = None
-        if stream == KVStream.PULL:
-            items = worker.handle.prefill_streamed.options(num_returns="streaming").remote(request)
-            async for ref in items:
-                item = await ref
-                if isinstance(item, SegmentPublished):
-                    self._relay(decode, StreamUpdate(req.request_id, item.ticket))
-                else:
-                    reply = item
-        else:
-            reply = await worker.handle.prefill.remote(request)
-        if reply is None:
-            raise RequestFailedError(req.request_id, "internal", "prefill stream ended early")
-        if isinstance(reply, PrefillResult) and reply.ticket is not None:
-            first = reply.first
-            segment = reply.segment if stream == KVStream.PULL else None
-            update = StreamUpdate(req.request_id, segment, list(first.token_ids), len(first.text))
-            self._relay(decode, update)
-        return reply
-
-    async def _start_streamed_decode(self, req: ClusterRequest, prefill: WorkerInfo) -> KVStream:
-        """Send the decode request ahead of the prefill when this request's KV streams;
-        returns how it moves: `WHOLE` when it does not stream (configured so, a rebuild,
-        no live decode worker picked, or the decode call failed: the decode phase then
-        goes as for any prompt)."""
-        stream = self.kv_stream
-        pick = req.decode_pick
-        if stream == KVStream.WHOLE or pick is None or not pick.worker.alive:
-            return KVStream.WHOLE
-        decode = pick.worker
-        push_from = await self._push_source(prefill) if stream == KVStream.PUSH else None
-        request = DecodeRequest(
-            req.request_id,
-            req.prompt_ids,
-            [],
-            req.params,
-            0,
-            None,
-            req.timeline.arrival,
-            kv_stream=stream,
-            push_from=push_from,
-        )
-        sent = time.monotonic()
-        try:
-            req.started_decode = await self.streams.start(decode, request)
-        except WORKER_FAILURES:
-            return KVStream.WHOLE  # the decode phase finds it dead and picks again
-        req.hold(decode)
-        req.started_decode_worker, req.started_decode_at = decode, sent
-        return stream
-
-    async def _push_source(self, prefill: WorkerInfo):
-        """The prefill worker's ticket of no blocks (endpoint, layout, checksum algorithm):
-        what a push import opens its transfer with. Asked once per incarnation."""
-        key = (prefill.worker_id, prefill.generation)
-        source = self._push_sources.get(key)
-        if source is None:
-            source = await prefill.handle.push_source.remote()
-            self._push_sources[key] = source
-        return source
-
-    def _relay(self, decode: WorkerInfo, update: StreamUpdate) -> None:
-        """Hand a stream update to the decode worker without waiting; a dead one's
-        failure reaches the request through its events."""
-        task = asyncio.ensure_future(_settled_quietly(decode.handle.stream_update.remote(update)))
-        self._relays.add(task)
-        task.add_done_callback(self._relays.discard)
+        """The prefill call; for a streamed request also the start of its decode and the
+        relays of what the prefill makes (`KVDelivery.prefill`)."""
+        return await self.delivery.prefill(req, claim.worker, self._prefill_request)
 
     def _cut_stream(self, req: ClusterRequest) -> None:
         """The prefill worker died mid-stream: the decode worker keeps what landed and
-        computes the rest (whatever `on_transfer_failure` says: nothing failed to move)."""
-        decode = req.started_decode_worker
-        self._relay(decode, StreamUpdate(req.request_id, cut=True))
+        computes the rest, which counts as queued there."""
+        self.delivery.cut(req)
         req.timeline.recovery_paths.append(RecoveryPath.STREAM_KEPT)
-        self._prefill_locally(req, decode, len(req.prompt_ids))
+        self._prefill_locally(req, req.started_decode_worker, len(req.prompt_ids))
 
     def _prefill_locally(self, req: ClusterRequest, decode: WorkerInfo, tokens: int) -> None:
         """`decode` will compute `tokens` of this request's KV itself: they count as queued
@@ -595,12 +514,6 @@ def kv_only(params: SamplingParams, num_decided: int) -> SamplingParams:
         prompt_logprobs=None,
         structured=None,
     )
-
-
-async def _settled_quietly(ref) -> None:
-    """Await a relay's result so that a dead worker's error is not logged as unhandled."""
-    with contextlib.suppress(Exception):
-        await ref
 
 
 def _note_route(req: ClusterRequest, claim: Claim) -> None:
