@@ -1,5 +1,7 @@
 """`pdserve bench bandwidth`: how the KV link's bandwidth changes TTFT and ITL.
 
+With `--kv-modes` it compares whole-prompt and chunk-streamed KV, pulled and pushed,
+at several prompt lengths instead (bench/kv_stream_sweep.py). Otherwise:
 For each first-token mode and each bandwidth cap, a fresh `pdserve serve` starts
 with the KV transport shaped to that cap (kv_transfer/shaping.py) and the same
 `bench serve` workload runs against it (closed loop, warm-up excluded). With
@@ -85,6 +87,10 @@ def point_summary(summary: dict, records, bandwidth: float | None, mode: str) ->
 
 
 def run_sweep(args) -> int:
+    if args.kv_modes:
+        from bench.kv_stream_sweep import run_stream_sweep
+
+        return run_stream_sweep(args)
     from engine.demo_model import resolve_model
 
     directory, model_id = resolve_model(args.model)
@@ -240,5 +246,28 @@ def add_bandwidth_parser(kinds) -> None:
     )
     parser.add_argument(
         "--port", type=int, default=None, help="first server's port (then +1 each; default: free)"
+    )
+    streaming = parser.add_argument_group(
+        "streamed KV (bench/kv_stream_sweep.py): with --kv-modes, one in-process cluster per "
+        "cap, first_token_from: decode, requests one at a time per prompt length and mode"
+    )
+    streaming.add_argument(
+        "--kv-modes",
+        default=None,
+        help="comma list of whole-pull, chunk-pull, whole-push, chunk-push (runs this sweep)",
+    )
+    streaming.add_argument(
+        "--prompt-lens", default="512,2048,8000", help="prompt lengths in tokens (comma list)"
+    )
+    streaming.add_argument(
+        "--requests", type=int, default=3, help="timed requests per point (one at a time)"
+    )
+    streaming.add_argument(
+        "--long-mbps",
+        default=None,
+        help="the caps (MB/s, of --mbps) prompts over 1024 tokens run at (default: all)",
+    )
+    streaming.add_argument(
+        "--gpu-plot", default=None, help="write the GPU projection (a model) as a PNG here"
     )
     parser.set_defaults(func=run_sweep)

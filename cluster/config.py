@@ -27,12 +27,15 @@ import yaml
 from cluster.config_flags import section_type
 from engine.config import EngineConfig, ModelSettings
 from kv_transfer.config import TransportOptions
+from worker.messages import KVStream
 from worker.spec import TransferFailurePolicy, WorkerRole, WorkerSpec
 
 Mode = Literal["disaggregated", "colocated"]
 TransportName = Literal["auto", "shm", "collective", "grpc", "local"]
 RouterPolicy = Literal["round_robin", "least_loaded", "power_of_two", "cache_aware"]
 FirstTokenFrom = Literal["prefill", "decode"]
+KVStreaming = Literal["whole", "chunk"]
+KVTransferMode = Literal["pull", "push"]
 DisaggregationMode = Literal["always", "never", "auto"]
 
 POOL_RESOURCES = {"prefill": "prefill_pool", "decode": "decode_pool", "colocated": "decode_pool"}
@@ -170,6 +173,15 @@ class ClusterConfig(ModelSettings):
     predict sooner (prefill queue and time, KV transfer, interference with decoding)."""
     first_token_from: FirstTokenFrom = "prefill"
     """`prefill`: stream the first token as soon as prefill samples it; `decode`: after import."""
+    kv_streaming: KVStreaming = "whole"
+    """When a prompt's KV leaves its prefill worker: `whole` after the last prefill chunk,
+    `chunk` as each chunk's step ends (its completed blocks), so that the transfer of
+    one chunk overlaps the compute of the next (docs/kv_transfer.md#streamed-exports)."""
+    kv_transfer_mode: KVTransferMode = "pull"
+    """`pull`: the decode worker asks for each export (each segment, streamed) once its
+    ticket reaches it; `push`: the decode worker reserves its blocks and opens one
+    transfer as the request arrives, and the prefill worker's sender sends each export
+    (segment) down it as soon as it exists."""
     on_transfer_failure: TransferFailurePolicy = "recompute"
     """A failed KV import: `recompute` the prompt on the decode worker, or `fail` the request."""
     address: str | None = None
@@ -308,6 +320,41 @@ class ClusterConfig(ModelSettings):
                 f"and decode workers are separate processes; use one of "
                 f"{sorted(CROSS_PROCESS_TRANSPORTS)}"
             )
+        self._check_streaming()
+
+    def _check_streaming(self) -> None:
+        """Streaming or push where nothing can stream is refused, never quietly turned
+        into whole-prompt pulls."""
+        from kv_transfer.registry import PUSH_TRANSPORTS
+
+        if self.kv_stream == KVStream.WHOLE:
+            return
+        wanted = f"kv_streaming: {self.kv_streaming}, kv_transfer_mode: {self.kv_transfer_mode}"
+        if self.mode != "disaggregated":
+            raise ConfigError(f"{wanted} needs mode: disaggregated (colocated workers move no KV)")
+        if self.disaggregation == "never":
+            raise ConfigError(f"{wanted} with disaggregation: never: no KV ever moves")
+        if self.prefill.tp > 1 or self.decode.tp > 1:
+            raise ConfigError(
+                f"{wanted} with prefill.tp={self.prefill.tp}, decode.tp={self.decode.tp}: "
+                "streamed and pushed KV move one rank's pool; tensor-parallel workers move "
+                "whole prompts (kv_streaming: whole, kv_transfer_mode: pull)"
+            )
+        name = self.transport.name
+        if self.kv_stream == KVStream.PUSH and name not in PUSH_TRANSPORTS:
+            raise ConfigError(
+                f"kv_transfer_mode: push over transport {name!r}: only "
+                f"{sorted(PUSH_TRANSPORTS)} can push (docs/kv_transfer.md#push)"
+            )
+
+    @property
+    def kv_stream(self) -> KVStream:
+        """How a disaggregated request's KV moves (`worker.messages.KVStream`): whole and
+        pulled (`whole` + `pull`), segments pulled (`chunk` + `pull`), or pushed (`push`,
+        per chunk with `chunk`)."""
+        if self.kv_transfer_mode == "push":
+            return KVStream.PUSH
+        return KVStream.PULL if self.kv_streaming == "chunk" else KVStream.WHOLE
 
     def check_pools(self, max_model_len: int) -> None:
         """Called by the cluster once the model's context is known: every pool must hold

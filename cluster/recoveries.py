@@ -43,3 +43,6 @@ class RecoveryPath(enum.StrEnum):
     """The decode worker computed the KV itself."""
     REPREFILL = "reprefill"
     """A prefill worker whose prefix cache held the prompt exported it again."""
+    STREAM_KEPT = "stream_kept"
+    """A streamed import whose prefill worker died kept the segments that had landed
+    (verified) and the decode worker computed only the rest."""

@@ -55,6 +55,8 @@ class RequestTimeline:
     """Role -> the cache-aware router's decision (`cluster.router.RouteDecision` as a dict)."""
     disaggregation: dict | None = None
     """How the prompt's KV was to be made: `cluster.disaggregation.PathChoice` as a dict."""
+    kv_stream: str = "whole"
+    """How its KV moved (`worker.messages.KVStream`): whole, pull (segments) or push."""
 
     # --- stamps, from the request flow ------------------------------------------------
 
@@ -94,6 +96,7 @@ class RequestTimeline:
             "prefill_s": prefill.prefill_s if prefill else None,
             "decode_queue_s": imported.admission_s if imported else None,
             "kv_transfer_s": imported.transfer_s if imported else None,
+            **self.overlap(),
             "ttft_s": _span(self.arrival, self.first_token),
             "ttft_parts": self.ttft_parts(),
             "decode_s": _span(self.first_token, self.finish),
@@ -110,6 +113,32 @@ class RequestTimeline:
             **self.reuse(),
             "route": dict(self.route),
             "disaggregation": self.disaggregation,
+        }
+
+    def overlap(self) -> dict:
+        """How much of the KV transfer the prefill's compute hid: `kv_transfer_hidden_s`
+        ran while the prefill worker still computed the prompt (streamed exports only),
+        `kv_transfer_exposed_s` after its last chunk, until the last block landed: what
+        the link still adds before decode can start. Whole-prompt transfers expose all."""
+        imported = self.imported
+        if imported is None:
+            return {
+                "kv_stream": self.kv_stream,
+                "kv_transfer_hidden_s": None,
+                "kv_transfer_exposed_s": None,
+                "kv_stream_segments": 0,
+            }
+        receipt = imported.stream
+        return {
+            "kv_stream": self.kv_stream,
+            "kv_transfer_hidden_s": receipt.hidden_s if receipt else 0.0,
+            "kv_transfer_exposed_s": receipt.exposed_s if receipt else imported.transfer_s,
+            "kv_stream_segments": receipt.segments if receipt else int(imported.moved_blocks > 0),
+            **(
+                {"kv_stream_kept_blocks": receipt.kept_blocks}
+                if receipt is not None and receipt.kept_blocks
+                else {}
+            ),
         }
 
     def reuse(self) -> dict:
@@ -137,6 +166,10 @@ class RequestTimeline:
         ]
         for sent, answered, name, phases in calls:
             if sent is None or answered is None or answered > self.first_token:
+                continue
+            if sent < cursor:  # a streamed import, sent with the prefill: what it added
+                parts[f"{name}_after_prefill_s"] = answered - cursor
+                cursor = answered
                 continue
             parts[f"before_{name}_s"] = sent - cursor
             parts.update(phases)

@@ -11,6 +11,12 @@ stream, batched per step with its other requests' events):
        engine thread settles the import (`finish_import`) and streams an ImportEvent
     -> on failure: `on_transfer_failure: recompute` prefills the prompt here into the
        same blocks, or `fail` ends the request with an ErrorEvent
+    streamed (`kv_stream` PULL or PUSH, decode_worker/streamed_import.py): sent before
+      the prompt is prefilled, with no ticket; the import reserves its blocks at once
+      and pulls each segment as it comes (`stream_update` relays them, pull; the
+      standing transfer brings them, push); it completes once every block landed and
+      the prefill's first token came (`stream_update`), or keeps what landed and
+      computes the rest here when the stream was cut (its prefill worker died)
     without a ticket (colocated, recovery, decode-side prefill): prefilled here
     -> READY, then a seat in the continuous decode batch (at most `max_num_seqs`);
        each step's token is yielded to the caller as it is made
@@ -27,6 +33,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 from decode_worker.event_channel import EventBatch, EventChannels
+from decode_worker.streamed_import import StreamedImport
 from engine import clock
 from engine.engine_loop import EngineLoop
 from engine.errors import RequestAbortedError
@@ -43,6 +50,8 @@ from worker.messages import (
     ErrorEvent,
     HealthReport,
     ImportEvent,
+    KVStream,
+    StreamUpdate,
     TokenEvent,
 )
 from worker.spec import WorkerSpec
@@ -75,6 +84,8 @@ class DecodeWorker(EngineActor):
         self.fetch_pool = ThreadPoolExecutor(_FETCH_THREADS, thread_name_prefix="kv-fetch")
         self.tickets: dict[str, object] = {}
         """Tickets of imports still waiting for blocks, read by the engine thread."""
+        self.streamed: dict[str, StreamedImport] = {}
+        """Streamed imports not yet settled."""
         self.last_transfer: dict[str, str] = {}
         """Prefill worker -> how its last request's KV got here (transport or recomputed)."""
         self.channels = EventChannels()
@@ -121,10 +132,11 @@ class DecodeWorker(EngineActor):
         stream = loop.open_stream(request_id)
         finished = False
         try:
-            if request.ticket is not None:
+            if request.ticket is not None or request.kv_stream != KVStream.WHOLE:
                 event = await self._import(request, stream)
                 yield event
-                if not event.ok and self.spec.on_transfer_failure == "fail":
+                cut = event.stream is not None and event.stream.cut
+                if not event.ok and not cut and self.spec.on_transfer_failure == "fail":
                     yield ErrorEvent(request_id, "transfer_failed", event.message)
                     return
             else:
@@ -161,15 +173,17 @@ class DecodeWorker(EngineActor):
         """Announce the import and wait for its outcome, keeping the sender's lease alive
         while the sequence waits for blocks."""
         loop = self._engine_loop()
-        ticket = r.ticket
-        self.tickets[r.request_id] = ticket
+        if r.kv_stream != KVStream.WHOLE:
+            imported = self._open_streamed(r)
+        else:
+            self.tickets[r.request_id] = r.ticket
         await loop.call(
             lambda e: e.begin_import(
                 r.request_id,
                 r.prompt_token_ids,
                 r.output_token_ids,
                 r.params,
-                ticket.num_tokens,
+                len(r.prompt_token_ids) if r.ticket is None else r.ticket.num_tokens,
                 emitted_text_len=r.emitted_text_len,
                 priority=r.arrival,
             )
@@ -178,14 +192,86 @@ class DecodeWorker(EngineActor):
             try:
                 item = await asyncio.wait_for(stream.get(), _KEEPALIVE_EVERY_S)
             except asyncio.TimeoutError:
+                ticket = r.ticket if r.kv_stream == KVStream.WHOLE else imported.keepalive_ticket()
+                if ticket is None:
+                    continue  # no segment yet: the export's lease is kept by its growth
                 lost = await self._export_lost(r.request_id, ticket)
                 if lost is not None:
+                    self._discard_streamed(r.request_id)
                     return lost
                 continue
             if item is None:
                 raise RequestAbortedError("aborted while importing", r.request_id)
             assert isinstance(item, ImportEvent), item
             return item
+
+    def _open_streamed(self, r: DecodeRequest) -> StreamedImport:
+        """The streamed import of `r`, fed by `stream_update` (and, push, its transfer)."""
+        imported = StreamedImport(
+            r.request_id,
+            self.receiver,
+            self.spec.transport_options.timeout_s,
+            lambda fn: self.fetch_pool.submit(fn),
+            lambda done: self.loop.post(lambda e: self._settle_streamed(e, done)),
+            r.push_from if r.kv_stream == KVStream.PUSH else None,
+        )
+        self.streamed[r.request_id] = imported
+        return imported
+
+    def _discard_streamed(self, request_id: str) -> None:
+        imported = self.streamed.pop(request_id, None)
+        if imported is not None:
+            imported.discard()
+
+    async def stream_update(self, update: StreamUpdate) -> None:
+        """Called by the driver for a request sent with a streamed `kv_stream`: a segment
+        to pull at once (pull), the prefill's first token (with the final segment, pull),
+        or the news that the stream was cut (its prefill worker died). Updates for a
+        request whose import already ended are ignored."""
+        arrived = clock.now()
+        imported = self.streamed.get(update.request_id)
+        if imported is None:
+            return
+        if update.cut:
+            imported.cut_short()
+            return
+        if update.segment is not None:
+            imported.add(update.segment, arrived)  # its pull starts before the rest below
+        if update.output_token_ids is not None:
+            request_id, tokens = update.request_id, update.output_token_ids
+            text_len = update.emitted_text_len
+            await self._engine_loop().call(lambda e: e.resume_with(request_id, tokens, text_len))
+            imported.decided()
+
+    def _settle_streamed(self, engine: LLMEngine, imported: StreamedImport) -> None:
+        """Engine thread: the streamed import ended (no pull runs any more)."""
+        request_id = imported.request_id
+        self.streamed.pop(request_id, None)
+        seq = engine.sequences.get(request_id)
+        if seq is None or not seq.block_ids:
+            return  # dropped before its blocks were reserved: nothing landed
+        recompute = imported.sender_lost or self.spec.on_transfer_failure == "recompute"
+        size = engine.config.block_size
+        engine.finish_import(request_id, imported.ok, recompute, imported.landed * size)
+        failure = imported.failure
+        reason, message = _stream_failure(imported)
+        sender = imported.latest.sender_id if imported.latest is not None else "?"
+        fallback = "recomputed" if recompute else "failed"
+        self.last_transfer[sender] = imported.transport if imported.ok else fallback
+        event = ImportEvent(
+            imported.ok,
+            failure.transport if failure is not None else imported.transport,
+            imported.num_bytes,
+            reason,
+            message,
+            imported.admission_s,
+            imported.seconds,
+            self.worker_id,
+            reused_blocks=imported.held,
+            moved_blocks=imported.landed - imported.held,
+            stream=imported.receipt(),
+        )
+        self.loop.deliver(request_id, event)
 
     async def _export_lost(self, request_id: str, ticket) -> ImportEvent | None:
         """Keepalive of a waiting import. When the export is gone (lease expired, sender
@@ -207,6 +293,11 @@ class DecodeWorker(EngineActor):
 
     def _start_imports(self, engine: LLMEngine) -> None:
         for seq in engine.reserve_imports():
+            streamed = self.streamed.get(seq.request_id)
+            if streamed is not None:
+                streamed.admission_s = clock.now() - seq.arrival_time
+                streamed.reserved(seq.block_ids, seq.num_cached_tokens // engine.config.block_size)
+                continue
             ticket = self.tickets.pop(seq.request_id, None)
             if ticket is None:  # its stream closed meanwhile: nothing will be fetched
                 engine.finish_import(seq.request_id, ok=False, recompute=False)
@@ -255,6 +346,13 @@ class DecodeWorker(EngineActor):
     def _cancel_fetch(self, engine: LLMEngine, request_id: str) -> None:
         self.tickets.pop(request_id, None)
         seq = engine.sequences.get(request_id)
+        streamed = self.streamed.get(request_id)
+        if streamed is not None:
+            if seq is not None and seq.abort_requested:
+                streamed.cancel()  # settles once no pull runs; the engine then frees
+            else:
+                self._discard_streamed(request_id)  # dropped with no blocks reserved
+            return
         if seq is not None and seq.abort_requested and self.receiver is not None:
             self.receiver.cancel(request_id)
 
@@ -275,8 +373,10 @@ class DecodeWorker(EngineActor):
         )
 
     async def debug_state(self) -> dict:
-        """Leak checks in tests and drills: blocks in use and each request's state."""
-        return await self._engine_loop().call(engine_state)
+        """Leak checks in tests and drills: blocks in use, each request's state, and the
+        streamed imports still open (request -> leading blocks landed)."""
+        state = await self._engine_loop().call(engine_state)
+        return {**state, "streams": {rid: s.landed for rid, s in self.streamed.items()}}
 
     async def shutdown(self) -> None:
         if self.spec is None:  # a prestarted process: nothing built
@@ -288,6 +388,22 @@ class DecodeWorker(EngineActor):
         self.fetch_pool.shutdown(wait=False, cancel_futures=True)
         if self.receiver is not None:
             self.receiver.close()
+
+
+def _stream_failure(imported: StreamedImport) -> tuple[str | None, str]:
+    """(`FailureReason` value, message) of a streamed import that did not complete."""
+    if imported.ok:
+        return None, ""
+    if imported.failure is not None:
+        failure = imported.failure
+        return failure.reason.value if failure.reason else "internal", failure.message
+    request_id = imported.request_id
+    if imported.cancelled:
+        return "cancelled", f"[request {request_id}] cancelled while its KV streamed in"
+    return "peer_died", (
+        f"[request {request_id}] stream cut after {imported.landed} blocks: its prefill "
+        "worker died; the rest is computed here"
+    )
 
 
 def _nothing_to_move(ticket, receiver):

@@ -42,7 +42,9 @@ class EngineLoop:
     release the request's export or cancel its transfer); `on_outputs(engine, outputs)`
     runs on the engine thread right after each step, before the next one, and returns
     what to deliver instead (the prefill worker exports prefilled sequences there, so
-    their first tokens never wait for another step)."""
+    their first tokens never wait for another step); `on_step(engine)` runs on the
+    engine thread right after every step, before `on_outputs`, outputs or not (the
+    prefill worker exports the blocks each prefill chunk completed there)."""
 
     def __init__(
         self,
@@ -51,12 +53,14 @@ class EngineLoop:
         on_abort: Callable[[LLMEngine, str], None] | None = None,
         on_outputs: Callable[[LLMEngine, list[SequenceOutput]], list] | None = None,
         track_stepping: bool = False,
+        on_step: Callable[[LLMEngine], None] | None = None,
     ):
         self.engine = engine
         self.track_stepping = track_stepping
         self.on_iteration = on_iteration
         self.on_abort = on_abort
         self.on_outputs = on_outputs
+        self.on_step = on_step
         self.loop = asyncio.get_event_loop()
         self.commands: deque[tuple[Callable, asyncio.Future | None]] = deque()
         self.streams: dict[str, asyncio.Queue] = {}
@@ -139,6 +143,8 @@ class EngineLoop:
                 raise
             finally:
                 self.stepping = None
+            if self.on_step is not None:
+                self.on_step(self.engine)
             if outputs and self.on_outputs is not None:
                 outputs = self.on_outputs(self.engine, outputs)
             if outputs:

@@ -29,7 +29,7 @@ from typing import TypeVar
 import torch
 
 from engine import clock, envs
-from engine.block_manager import BlockAllocator, blocks_needed
+from engine.block_manager import BlockAllocator, blocks_needed, held_blocks
 from engine.config import AttentionBackendName as AttentionChoice
 from engine.config import EngineConfig
 from engine.config import Kernels as KernelChoice
@@ -321,11 +321,17 @@ class LLMEngine:
         that just got their blocks; their transfers may start writing into them."""
         return self.scheduler.reserve_imports()
 
-    def finish_import(self, request_id: str, ok: bool, recompute: bool) -> bool:
+    def finish_import(
+        self, request_id: str, ok: bool, recompute: bool, kept_tokens: int = 0
+    ) -> bool:
         """The transfer into an IMPORTING sequence's blocks has stopped writing. On success
         the sequence waits for a batch seat (READY); on failure it recomputes its prompt
         here into the same blocks (`recompute`) or is dropped. An abort that arrived while
-        the bytes landed frees the blocks now. Returns whether the sequence lives on."""
+        the bytes landed frees the blocks now. Returns whether the sequence lives on.
+
+        `kept_tokens`: on failure, the leading tokens whose KV did land and was verified
+        (a streamed import cut mid-stream keeps its segments): only the rest is computed.
+        Whole blocks only, and never the last prompt token (it must be sampled from)."""
         seq = self.sequences.get(request_id)
         if seq is None or seq.status != SequenceStatus.IMPORTING:
             raise AssertionError(f"[request {request_id}] finish_import without an import")
@@ -338,9 +344,32 @@ class LLMEngine:
             self.scheduler.add_ready(seq)
         else:
             # Blocks that were prefix-cache hits hold their KV; only the rest is computed.
-            seq.num_computed_tokens = seq.num_published * self.config.block_size
+            size = self.config.block_size
+            kept = min(kept_tokens, seq.num_prompt_tokens - 1) // size * size
+            seq.num_computed_tokens = max(seq.num_published * size, kept)
+            self._publish(seq)
             self.scheduler.add(seq)
         return True
+
+    def resume_with(
+        self, request_id: str, output_token_ids: list[int], emitted_text_len: int | None
+    ) -> None:
+        """A streamed import's sequence learns the tokens decided while its KV streamed in
+        (the prefill worker's first token): they follow its prompt, as if given to
+        `begin_import`. Called by the decode worker before the import settles."""
+        seq = self.sequences.get(request_id)
+        if seq is None or seq.status != SequenceStatus.IMPORTING or seq.output_token_ids:
+            return
+        if output_token_ids and len(output_token_ids) >= seq.params.max_tokens:
+            raise InvalidRequestError(
+                f"resumed with {len(output_token_ids)} decided tokens, at max_tokens "
+                f"{seq.params.max_tokens} already",
+                request_id,
+            )
+        seq.output_token_ids = list(output_token_ids)
+        if seq.params.structured is not None:
+            seq.guide = self.grammars.guide(request_id, seq.params.structured, seq.output_token_ids)
+        self._replay_text(seq, emitted_text_len)
 
     def cancel_import(self, request_id: str, recompute: bool) -> bool:
         """The export went away while the sequence still waited for blocks: recompute the
@@ -356,10 +385,14 @@ class LLMEngine:
             self._drop(seq, "error")
         return True
 
-    def export_prefilled(self, request_id: str, export: Callable[[Sequence], T]) -> T:
+    def export_prefilled(
+        self, request_id: str, export: Callable[[Sequence], T], hand_over: bool = True
+    ) -> T:
         """Hand a PREFILLED sequence's blocks to `export` (the KV sender, which pins them
         under a lease and from then on owns them). If `export` raises, the blocks come
-        back to the pool here. Raises RequestAbortedError when the request is gone."""
+        back to the pool here. Raises RequestAbortedError when the request is gone.
+        `hand_over` False: `export` took its own references (`pin_blocks`, a streamed
+        export), and the sequence's are dropped with it."""
         seq = self.sequences.get(request_id)
         if seq is None or seq.status != SequenceStatus.PREFILLED:
             raise RequestAbortedError("aborted before its KV was exported", request_id)
@@ -368,9 +401,16 @@ class LLMEngine:
         except BaseException:
             self._drop(seq, "error")
             raise
-        seq.block_ids = []  # owned by the export's lease now
+        if hand_over:
+            seq.block_ids = []  # owned by the export's lease now
         self._drop(seq, "exported")
         return result
+
+    def pin_blocks(self, block_ids: list[int]) -> None:
+        """One more reference on blocks a sequence holds, for an export of them that
+        outlives the sequence's own hold (a streamed export's segments); the export's
+        end gives it back through `release_blocks`."""
+        self.allocator.share(held_blocks(block_ids))
 
     def _prefix_cache(self, config: EngineConfig) -> PrefixCache | None:
         if not config.prefix_caching:

@@ -15,6 +15,13 @@ Lifecycle of one request's KV, prefill side (sender) to decode side (receiver):
       blocks come back via poll_released()        on failure: engine.release_blocks(dst)
     lease expiry / abort also release them
 
+Streamed exports (`kv_streaming: chunk`, docs/kv_transfer.md#streamed-exports)
+grow the same export a segment at a time: after each prefill chunk the prefill worker
+calls `sender.export_segment` with the blocks that chunk completed, and each segment's
+ticket (`ExportTicket.segment` set) is pulled on its own while the next chunk computes;
+the segment with `final` set carries the rest (the last, partial block) and the
+export is then what `export` would have made: one lease, one ack, one release.
+
 Thread-safety rule: transports and the ownership registry never touch a
 `BlockAllocator`. Block ids to free come back to the owning worker through
 `KVSender.poll_released()`, which the worker's engine loop calls and frees itself.
@@ -59,6 +66,20 @@ class FailureReason(str, enum.Enum):
 
 
 @dataclass(frozen=True)
+class StreamSegment:
+    """Where a segment of a streamed export sits in the request's blocks."""
+
+    first_block: int
+    """Position, in the request's whole block list, of the segment's first block."""
+    final: bool = False
+    """The last segment: the export is complete, its `num_tokens` the prompt's."""
+
+    def __post_init__(self) -> None:
+        if self.first_block < 0:
+            raise ValueError(f"a segment starts at block {self.first_block}")
+
+
+@dataclass(frozen=True)
 class ExportTicket:
     """What a receiver needs to pull one request's blocks. Travels inside Ray calls
     (pickled by Ray, never on a wire of ours); `to_dict` / `from_dict` give its JSON."""
@@ -82,6 +103,10 @@ class ExportTicket:
     shards: tuple[ExportTicket, ...] = ()
     """A tensor-parallel sender's other ranks' exports of the same blocks (ranks 1..N-1,
     each with its own endpoint, layout and checksums); this ticket is rank 0's."""
+    segment: StreamSegment | None = None
+    """Set on a segment of a streamed export: these blocks are the request's blocks
+    `segment.first_block` onwards, and `num_tokens` counts the tokens whose KV the
+    export holds so far. None: the whole export (what `export` returns)."""
 
     @property
     def slices(self) -> tuple[ExportTicket, ...]:
@@ -106,25 +131,38 @@ class ExportTicket:
         return asdict(self)
 
     def tail(self, held_blocks: int) -> ExportTicket:
-        """The part of this export a receiver still needs when its prefix cache already
-        holds the first `held_blocks` blocks (they are the leading ones: a prefix)."""
+        """The part of this export (or segment) a receiver still needs when it already
+        holds the first `held_blocks` of its blocks (a prefix-cache hit, or a segment's
+        leading blocks that the receiver's cache holds)."""
         if not 0 <= held_blocks < len(self.block_ids):
             raise ValueError(f"[request {self.request_id}] cannot skip {held_blocks} blocks")
+        segment = self.segment
+        if segment is not None:
+            segment = replace(segment, first_block=segment.first_block + held_blocks)
         return replace(
             self,
             block_ids=self.block_ids[held_blocks:],
             checksums=self.checksums[held_blocks:],
             shards=tuple(shard.tail(held_blocks) for shard in self.shards),
+            segment=segment,
         )
+
+    @property
+    def first_block(self) -> int | None:
+        """Where a segment's blocks start in the request's export (None: a whole export,
+        whose pull names the export's last blocks, `blockio.requested_blocks`)."""
+        return None if self.segment is None else self.segment.first_block
 
     @classmethod
     def from_dict(cls, data: dict) -> ExportTicket:
+        segment = data.get("segment")
         return cls(
             **{
                 **data,
                 "sender_endpoint": SenderEndpoint.from_dict(data["sender_endpoint"]),
                 "layout": KVLayout(**data["layout"]),
                 "shards": tuple(cls.from_dict(shard) for shard in data.get("shards", ())),
+                "segment": StreamSegment(**segment) if segment is not None else None,
             }
         )
 
@@ -211,6 +249,37 @@ class KVSender(ABC):
         """Called by the prefill worker once per request after prefill; pins the blocks
         under a lease until ack, lease expiry or abort."""
 
+    def export_segment(
+        self,
+        request_id: str,
+        block_ids: list[int],
+        first_block: int,
+        num_tokens: int,
+        peer_id: str,
+        final: bool = False,
+    ) -> ExportTicket:
+        """Called by the prefill worker on its engine thread right after a prefill chunk's
+        step (`kv_streaming: chunk`): the blocks that chunk completed (`first_block` is
+        the position of `block_ids[0]` among the request's blocks) join the request's
+        export, under its lease, from the first segment on; `final` (with the last,
+        partial block) completes it. Returns the segment's ticket, which a receiver
+        pulls on its own. The caller holds a reference on each block for the export
+        (the export frees them, as it frees an `export`'s)."""
+        raise NotImplementedError
+
+    def whole_ticket(self, request_id: str) -> ExportTicket:
+        """Called by the prefill worker after the final segment: the ticket of the whole
+        export, as `export` would have returned it (a re-pull after a decode worker's
+        death reads it). Raises KeyError when the export is gone."""
+        raise NotImplementedError
+
+    def push_source(self) -> ExportTicket:
+        """Called through the prefill worker by the driver, once per worker incarnation
+        (`kv_transfer_mode: push`): a ticket of no blocks and no request, naming this
+        sender (endpoint, layout, checksum algorithm, lease), from which a receiver opens
+        the standing transfer of a request before any of its blocks exist."""
+        raise NotImplementedError
+
     @abstractmethod
     def ack(self, request_id: str) -> None:
         """Called when the receiver reports success; releases the blocks exactly once."""
@@ -270,6 +339,27 @@ class KVReceiver(ABC):
         `held_blocks`: the decode side's prefix cache already holds the export's first
         `held_blocks` blocks, so only the others move, one per `dst_block_ids` entry
         (the pull asks for the export's tail: `len(dst_block_ids)` blocks)."""
+
+    def follow(
+        self,
+        source: ExportTicket,
+        request_id: str,
+        first_block: int,
+        dst_block_ids: list[int],
+        timeout_s: float,
+        on_segment,
+    ) -> TransferResult:
+        """Called by the decode worker on a fetch thread once a pushed request's blocks
+        are reserved (`kv_transfer_mode: push`, kv_transfer/push.py), before its export
+        may exist: opens one standing transfer from `source`'s sender (a
+        `KVSender.push_source` ticket) for `request_id`'s export from block position
+        `first_block` on, into `dst_block_ids` (its blocks for those positions, in
+        order). The sender sends each run of blocks as soon as it is exported; each is
+        verified, then `on_segment(segment ticket, arrived, landed, bytes)` is called.
+        Returns once the export is complete and every block landed (DONE), or failed
+        (as data, like `fetch`; `cancel` applies). On failure the caller frees what it
+        reserved, or keeps the segments `on_segment` reported."""
+        raise NotImplementedError
 
     def cancel(self, request_id: str) -> None:
         """Called by the decode worker when a request is aborted while its fetch runs (on

@@ -74,10 +74,18 @@ def _counts_up(ids: list[int]) -> bool:
     return ids[-1] - ids[0] == len(ids) - 1 and ids == list(range(ids[0], ids[-1] + 1))
 
 
-def requested_blocks(export_block_ids: list[int], num_wanted: int) -> list[int] | None:
+def requested_blocks(
+    export_block_ids: list[int], num_wanted: int, first_block: int | None = None
+) -> list[int] | None:
     """The sender's blocks a pull for `num_wanted` blocks reads: the export's last ones
-    (a receiver whose prefix cache holds the leading blocks asks only for the rest).
-    None when it asks for none, or for more than were exported."""
+    (a receiver whose prefix cache holds the leading blocks asks only for the rest), or,
+    for a segment of a streamed export, those from position `first_block` on. None when
+    it asks for none, or for blocks the export does not hold (yet)."""
+    if first_block is not None:
+        if num_wanted <= 0 or first_block < 0:
+            return None
+        wanted = export_block_ids[first_block : first_block + num_wanted]
+        return wanted if len(wanted) == num_wanted else None
     if not 0 < num_wanted <= len(export_block_ids):
         return None
     return export_block_ids[len(export_block_ids) - num_wanted :]

@@ -11,7 +11,10 @@ ones left out), so a sender and a receiver of different versions still agree.
     Begin(nbytes, request_id)        (shm)      Reply(ok)
     Heartbeat(request_id)            (both)     Reply(ok, reason=unknown_request)
     Pair(receiver)                   (coll.)    Reply(ok, prefix=...)
-    Fetch(request_id, dst_block_ids) (coll.)    Reply(ok, piece_bytes=...), ..., Done(nbytes)
+    Fetch(request_id, dst_block_ids[,   (coll.)    Reply(ok, piece_bytes=...), ..., Done(nbytes)
+          first_block])
+    Follow(request_id, first_block,     (push)     SegmentNote, [pieces,] ... / WAITING ...,
+           dst_block_ids)                          Done(nbytes); Reply(False) when gone
 
 Parsing is as lenient as the handlers always were (a missing id reads as an unknown
 request); a message that cannot be read at all raises, and the control server closes
@@ -77,15 +80,86 @@ class Pair(_Request):
 
 @dataclass(frozen=True)
 class Fetch(_Request):
-    """collective: send `request_id`'s blocks into the receiver's `dst_block_ids`."""
+    """collective: send `request_id`'s blocks into the receiver's `dst_block_ids`: the
+    export's last ones, or for a segment of a streamed export those from position
+    `first_block` on (sent only when set, so a whole fetch's JSON is as it was)."""
 
     op: ClassVar[str] = "fetch"
     request_id: str
     dst_block_ids: list[int]
+    first_block: int | None = None
+
+    def to_json(self) -> dict:
+        data = super().to_json()
+        if self.first_block is None:
+            del data["first_block"]
+        return data
 
     @classmethod
     def from_json(cls, data: dict) -> Fetch:
-        return cls(str(data.get("request_id")), list(data["dst_block_ids"]))
+        first = data.get("first_block")
+        return cls(
+            str(data.get("request_id")),
+            list(data["dst_block_ids"]),
+            int(first) if first is not None else None,
+        )
+
+
+@dataclass(frozen=True)
+class Follow(_Request):
+    """push (shm, collective): the receiver's standing transfer of `request_id`'s export
+    from block position `first_block` on, into `dst_block_ids` (its blocks for those
+    positions, in order). The sender answers with a `SegmentNote` per run of blocks as
+    they are exported (collective: their pieces right after it), `Waiting` while none
+    comes, a refusal (`Reply`) when the export is gone, and `Done` after the final one."""
+
+    op: ClassVar[str] = "follow"
+    request_id: str
+    first_block: int
+    dst_block_ids: list[int]
+
+    @classmethod
+    def from_json(cls, data: dict) -> Follow:
+        return cls(
+            str(data.get("request_id")),
+            int(data.get("first_block", 0)),
+            list(data.get("dst_block_ids", [])),
+        )
+
+
+@dataclass(frozen=True)
+class SegmentNote:
+    """push: the next blocks of a followed export, sent as soon as they are exported: the
+    sender's block ids from position `first_block` on, their checksums, the tokens the
+    export holds so far, and whether it is complete with them."""
+
+    first_block: int
+    block_ids: list[int]
+    checksums: list[int]
+    num_tokens: int
+    final: bool
+
+    def to_json(self) -> dict:
+        return {"segment": {f.name: getattr(self, f.name) for f in fields(self)}}
+
+    @classmethod
+    def from_json(cls, data: dict) -> SegmentNote | None:
+        """The message as a `SegmentNote`, or None when it is not one."""
+        note = data.get("segment")
+        if not isinstance(note, dict):
+            return None
+        return cls(
+            int(note["first_block"]),
+            [int(b) for b in note["block_ids"]],
+            [int(c) for c in note["checksums"]],
+            int(note["num_tokens"]),
+            bool(note["final"]),
+        )
+
+
+WAITING = {"waiting": True}
+"""push: no new block yet; sent every `push.KEEPALIVE_S` so that each side of a standing
+transfer sees the other die, and the receiver can act on a cancel."""
 
 
 @dataclass(frozen=True)
@@ -95,8 +169,8 @@ class UnknownOp:
     op: object
 
 
-ControlRequest = Begin | Heartbeat | Pair | Fetch
-_REQUESTS: dict[str, type] = {cls.op: cls for cls in (Begin, Heartbeat, Pair, Fetch)}
+ControlRequest = Begin | Heartbeat | Pair | Fetch | Follow
+_REQUESTS: dict[str, type] = {cls.op: cls for cls in (Begin, Heartbeat, Pair, Fetch, Follow)}
 
 
 def parse_request(data: dict) -> ControlRequest | UnknownOp:

@@ -10,6 +10,12 @@ Lifecycle of one export:
     abort()             -> ABORTED      blocks released
     reap() past lease   -> EXPIRED      blocks released
 
+A streamed export (`add_segment`) is PENDING from its first segment on and grows with
+each one under the same lease (every segment extends it) until its final segment
+makes it `complete`; ack, abort and expiry release whatever it holds by then. Server
+threads that push segments as they come (`kv_transfer_mode: push`) wait for them in
+`wait_for_blocks`.
+
 Release happens exactly once per export: the record leaves the table under the lock
 and its block ids go onto a queue the owning worker drains with `poll_released()`;
 this module never frees blocks itself (the engine's allocator is not thread-safe).
@@ -20,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -27,6 +34,9 @@ from kv_transfer.base import FailureReason, TransferState
 from kv_transfer.stats import SenderStats, bump
 
 logger = logging.getLogger(__name__)
+
+GONE_IDS_KEPT = 4096
+"""Released request ids an `ExportRegistry` remembers for pushers (`released`)."""
 
 
 @dataclass
@@ -44,6 +54,8 @@ class ExportRecord:
     served: bool = False
     """A transfer of its bytes completed (the blocks stay pinned until ack, so that a
     receiver that dies can pull them again)."""
+    complete: bool = True
+    """False while a streamed export still waits for segments (`add_segment`)."""
 
 
 class ExportListener(Protocol):
@@ -71,6 +83,10 @@ class ExportRegistry:
         self._released: list[list[int]] = []
         self._stats = SenderStats()
         self._lock = threading.Lock()
+        self._grown = threading.Condition(self._lock)
+        """Notified when a streamed export gains blocks or any export is released."""
+        self._gone: OrderedDict[str, None] = OrderedDict()
+        """Request ids released lately, oldest first (`released`)."""
         self._listeners: list[ExportListener] = []
         self._stop = threading.Event()
         interval = reap_interval_s or min(max(lease_ttl_s / 4, 0.01), 1.0)
@@ -104,10 +120,85 @@ class ExportRegistry:
                 lease_expires_at=time.monotonic() + self.lease_ttl_s,
             )
             self._records[request_id] = record
+            self._gone.pop(request_id, None)
             self._stats.exports += 1
             for listener in self._listeners:
                 listener.published(record)
             return replace(record)
+
+    def add_segment(
+        self,
+        request_id: str,
+        block_ids: list[int],
+        first_block: int,
+        num_tokens: int,
+        peer: str,
+        checksums,
+        final: bool,
+    ) -> ExportRecord:
+        """A streamed export's next segment: `block_ids` become its blocks `first_block`
+        onwards (the first segment, at 0, creates the export); the lease is extended;
+        `final` completes it. Segments come in order: anything else is a caller bug."""
+        with self._lock:
+            record = self._records.get(request_id)
+            have = 0 if record is None else len(record.block_ids)
+            if first_block != have or (record is not None and record.complete):
+                raise ValueError(
+                    f"[request {request_id}] segment at block {first_block}, export holds "
+                    f"{have}" + (" and is complete" if record is not None else "")
+                )
+            if record is None:
+                record = ExportRecord(
+                    request_id=request_id,
+                    block_ids=[],
+                    num_tokens=0,
+                    owner=self.owner,
+                    peer=peer,
+                    checksums=[],
+                    state=TransferState.PENDING,
+                    lease_expires_at=0.0,
+                    complete=False,
+                )
+                self._records[request_id] = record
+                self._gone.pop(request_id, None)
+                self._stats.exports += 1
+            # New lists: copies handed out earlier (`begin_transfer`, `get`) share the old.
+            record.block_ids = record.block_ids + list(block_ids)
+            record.checksums = record.checksums + list(checksums)
+            record.num_tokens = num_tokens
+            record.complete = final
+            record.lease_expires_at = time.monotonic() + self.lease_ttl_s
+            added = replace(record, block_ids=list(block_ids))
+            for listener in self._listeners:
+                listener.published(added)  # the new blocks only; the others keep their rows
+                listener.extended(record)
+            self._grown.notify_all()
+            return replace(record)
+
+    def wait_for_blocks(self, request_id: str, have: int, timeout_s: float) -> ExportRecord | None:
+        """Called by a server thread pushing a streamed export: waits until the export
+        holds more than `have` blocks or is complete (or `timeout_s` passed), and
+        returns a copy of it then; None while it does not exist (not yet, or no more:
+        `released`)."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while True:
+                record = self._records.get(request_id)
+                left = deadline - time.monotonic()
+                if record is None and (left <= 0 or request_id in self._gone):
+                    return None
+                if record is not None and (
+                    len(record.block_ids) > have or record.complete or left <= 0
+                ):
+                    return replace(record)
+                self._grown.wait(left)
+
+    def released(self, request_id: str) -> bool:
+        """Whether `request_id`'s export was released lately (acked, aborted, expired):
+        a pusher waiting for an export that does not exist yet tells it from one that is
+        gone by this (the last `GONE_IDS_KEPT` releases are remembered)."""
+        with self._lock:
+            return request_id in self._gone
 
     def ack(self, request_id: str) -> bool:
         """Receiver has the blocks: release them. False when already released (late ack)."""
@@ -221,6 +312,10 @@ class ExportRegistry:
                 self._stats.transfers_served += 1
                 self._stats.bytes_sent += copied
             self._released.append(record.block_ids)
+            self._gone[request_id] = None
+            while len(self._gone) > GONE_IDS_KEPT:
+                self._gone.popitem(last=False)
+            self._grown.notify_all()
             if final == TransferState.DONE:
                 self._stats.acks += 1
             elif final == TransferState.ABORTED:

@@ -30,6 +30,7 @@ from kv_transfer.base import (
 from kv_transfer.blockio import PoolBytes
 from kv_transfer.config import TransportOptions
 from kv_transfer.integrity import BlockVerifier
+from kv_transfer.push import FollowedSegments
 from kv_transfer.stats import ReceiverStats, bump
 from kv_transfer.transfer_stream import TransferStream
 
@@ -166,6 +167,58 @@ class TransportReceiver(KVReceiver):
         result.seconds = time.monotonic() - start
         self._count(result)
         return result
+
+    def follow(
+        self,
+        source: ExportTicket,
+        request_id: str,
+        first_block: int,
+        dst_block_ids: list[int],
+        timeout_s: float,
+        on_segment,
+    ) -> TransferResult:
+        start = time.monotonic()
+        ticket = replace(source, request_id=request_id)
+        result = TransferResult(request_id, TransferState.FAILED, self.name)
+        try:
+            check_layout(ticket, self.pool.layout, ticket.sender_id)
+            followed = FollowedSegments(
+                ticket,
+                first_block,
+                list(dst_block_ids),
+                self._block_nbytes,
+                on_segment,
+                lambda dst, segment: BlockVerifier(
+                    self.pool.kv, dst, segment, self._pool_bytes(), self._block_nbytes
+                ),
+            )
+            with self._stream.active():
+                try:
+                    result.transport = self._follow(followed, timeout_s)
+                finally:
+                    self._drain(ticket)
+            result.checksum = ticket.checksum_algo
+            result.state = TransferState.DONE
+            result.num_bytes = followed.num_bytes
+        except KVTransferError as exc:
+            result.reason, result.message = exc.reason, str(exc)
+            result.failed_blocks = exc.failed_blocks
+        except Exception as exc:  # a bug must not take the decode loop down with it
+            logger.exception("[request %s] KV follow crashed", request_id)
+            result.reason, result.message = FailureReason.INTERNAL, repr(exc)
+        finally:
+            CANCELLED_FETCHES.clear(request_id)
+        result.seconds = time.monotonic() - start
+        self._count(result)
+        return result
+
+    def _follow(self, followed: FollowedSegments, timeout_s: float) -> str:
+        """Open the standing transfer of `followed.ticket`'s request and land each segment
+        the sender pushes (`followed.open`, then the bytes, then `followed.landed`) until
+        the final one; waits at most `timeout_s` for each message (the sender's `Waiting`
+        notes come far more often) and fails CANCELLED at the next one after a cancel.
+        Returns the name of the transport that moved the bytes."""
+        raise fail(followed.ticket, FailureReason.INTERNAL, f"{self.name} cannot push")
 
     def _drain(self, ticket: ExportTicket) -> None:
         """Wait for what the fetch queued on the transfer stream (device pools): the

@@ -30,6 +30,10 @@ CROSS_PROCESS_TRANSPORTS = frozenset(TRANSPORTS) - {"local"}
 """Transports that connect a sender and a receiver in different processes; `local`
 reaches only a sender in the receiver's own process."""
 
+PUSH_TRANSPORTS = frozenset({"local", "shm", "grpc", "collective", "auto"})
+"""Transports whose senders send a streamed export down a receiver's standing transfer
+as its segments come (`KVReceiver.follow`, `kv_transfer_mode: push`)."""
+
 
 def preload(name: str) -> None:
     """Import transport `name`'s module now (a prestarted worker process, ahead of the

@@ -250,6 +250,23 @@ class ReshardingReceiver(KVReceiver):
                 bump(self._stats.failures, result.reason.value)
         return result
 
+    def follow(
+        self,
+        source: ExportTicket,
+        request_id: str,
+        first_block: int,
+        dst_block_ids: list[int],
+        timeout_s: float,
+        on_segment,
+    ) -> TransferResult:
+        """A pushed transfer: one rank to one always (the config refuses streamed KV on
+        tensor-parallel pools), so the transport's own receiver follows it."""
+        start = time.monotonic()
+        result = self.direct.follow(
+            source, request_id, first_block, dst_block_ids, timeout_s, on_segment
+        )
+        return self._count(result, start)
+
     def cancel(self, request_id: str) -> None:
         self.direct.cancel(request_id)
 

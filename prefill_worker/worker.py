@@ -13,6 +13,11 @@ Lifecycle of a request here:
     -> the ticket goes back to the caller, which hands it to a decode worker
     -> ack (decode imported them), abort, or lease expiry returns the blocks.
 `abort()` ends the request at any of these points: queued, prefilling, exported.
+
+A streamed request (`kv_stream` PULL or PUSH, prefill_worker/segments.py) is exported
+a segment at a time instead, right after each of its prefill chunks' steps; with PULL
+each segment's ticket goes to the caller as it is made (`prefill_streamed`), and the
+step that samples the first token exports the final segment.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from engine.errors import RequestAbortedError
 from engine.llm_engine import LLMEngine
 from engine.sequence import SequenceOutput
 from kv_transfer.endpoints import SenderEndpoint
+from prefill_worker.segments import SegmentPublisher
 from worker.actor import EngineActor
 from worker.health import (
     StartupTimer,
@@ -33,7 +39,14 @@ from worker.health import (
     health_report,
 )
 from worker.kv_shards import ShardedSender, make_rank_sender
-from worker.messages import ErrorEvent, HealthReport, PrefillRequest, PrefillResult
+from worker.messages import (
+    ErrorEvent,
+    HealthReport,
+    KVStream,
+    PrefillRequest,
+    PrefillResult,
+    SegmentPublished,
+)
 from worker.spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -49,6 +62,10 @@ class _Exported:
     ticket: object | None
     error: Exception | None
     exported_at: float
+    segment: object | None = None
+    """A streamed export's final segment."""
+    segments: int = 0
+    """Segments the streamed export went out in."""
 
 
 class PrefillWorker(EngineActor):
@@ -68,6 +85,8 @@ class PrefillWorker(EngineActor):
         """The engine state `debug_state` read last."""
         self.peers: dict[str, str] = {}
         """Request -> the decode worker its export is meant for, until it is exported."""
+        self.segments = SegmentPublisher(self.sender, spec.engine.block_size)
+        """Streamed requests' exports, grown after each step (engine thread only)."""
 
     def _make_loop(self) -> EngineLoop:
         return EngineLoop(
@@ -76,44 +95,85 @@ class PrefillWorker(EngineActor):
             on_abort=self._release_export,
             on_outputs=self._export_prefilled,
             track_stepping=True,  # `debug_state` answers during a step
+            on_step=self._publish_segments,
         )
+
+    def _publish_segments(self, engine: LLMEngine) -> None:
+        """After each step: export what the streamed requests' chunks completed."""
+        if not self.segments.streams:
+            return
+        for request_id, ticket in self.segments.after_step(engine):
+            self.loop.deliver(request_id, SegmentPublished(request_id, ticket))
 
     def _free_released(self, engine: LLMEngine) -> None:
         for block_ids in self.sender.poll_released():
             engine.release_blocks(block_ids)
 
     def _release_export(self, _engine: LLMEngine, request_id: str) -> None:
-        # An abort after the export: the lease lets go now, not at its expiry.
+        # An abort after the export (or mid-stream): the lease lets go now, not at expiry.
         self.peers.pop(request_id, None)
+        self.segments.close(request_id)
         self.sender.abort(request_id)
 
     def _export_prefilled(self, engine: LLMEngine, outputs: list) -> list:
         """On the engine thread, right after a step: export every sequence it prefilled."""
         delivered = []
         for output in outputs:
+            request_id = output.request_id
+            streamed = self.segments.streaming(request_id)
             if not output.prefilled:
-                delivered.append(output)  # finished at its first token: nothing to export
+                if streamed:  # finished at its first token: its segments go back
+                    self.segments.close(request_id)
+                    self.sender.abort(request_id)
+                delivered.append(output)  # nothing to export
                 continue
-            peer = self.peers.pop(output.request_id, "")
+            peer = self.peers.pop(request_id, "")
+            segment, segments = None, 0
             try:
-                ticket, error = (
-                    engine.export_prefilled(output.request_id, self._exporter(peer)),
-                    None,
-                )
+                if streamed:
+                    ticket, segment = self.segments.export_final(engine, request_id)
+                    segments = self.segments.segments(request_id)
+                    self.segments.close(request_id)
+                else:
+                    ticket = engine.export_prefilled(request_id, self._exporter(peer))
+                error = None
             except Exception as exc:  # the blocks are back; the request fails, not the worker
                 ticket, error = None, exc
-            delivered.append(_Exported(output.request_id, output, ticket, error, clock.now()))
+                if streamed:
+                    self.segments.close(request_id)
+                    self.sender.abort(request_id)
+            exported = _Exported(request_id, output, ticket, error, clock.now(), segment, segments)
+            delivered.append(exported)
         return delivered
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult | ErrorEvent:
-        """Called once per request by the driver's request flow. Errors come back as an
-        `ErrorEvent` (never raised), so the driver can tell a bad request from a dead
-        worker."""
+        """Called once per request by the driver's request flow (whole exports, and push,
+        whose segments go out through the sender). Errors come back as an `ErrorEvent`
+        (never raised), so the driver can tell a bad request from a dead worker."""
+        last = None
+        async for item in self._prefill_items(request):
+            last = item
+        return last
+
+    async def prefill_streamed(self, request: PrefillRequest):
+        """Streaming call (`KVStream.PULL`), once per request: a `SegmentPublished` for
+        each prefill chunk's segment as soon as its step ends, then what `prefill`
+        returns (the final segment in it)."""
+        async for item in self._prefill_items(request):
+            yield item
+
+    async def _prefill_items(self, request: PrefillRequest):
         loop = self._engine_loop()
         request_id = request.request_id
         arrived = clock.now()
         stream = loop.open_stream(request_id)
         self.peers[request_id] = request.peer_id
+        if request.kv_stream != KVStream.WHOLE:
+            relay = request.kv_stream == KVStream.PULL
+            per_chunk = relay or request.per_chunk
+            await loop.call(
+                lambda e: self.segments.open(request_id, request.peer_id, relay, per_chunk)
+            )
         try:
             seq = await loop.call(
                 lambda e: e.add_request(
@@ -124,21 +184,27 @@ class PrefillWorker(EngineActor):
                     priority=request.arrival,
                 )
             )
-            item = await stream.get()
+            while isinstance(item := await stream.get(), SegmentPublished):
+                yield item
             if item is None:
                 raise RequestAbortedError("aborted during prefill", request_id)
-            output, ticket, exported = item, None, None
+            output, exported = item, None
             if isinstance(item, _Exported):
                 if item.error is not None:
                     raise item.error
-                output, ticket, exported = item.output, item.ticket, item.exported_at
+                output, exported = item.output, item
         except Exception as exc:  # the request failed, not the worker: say so in data
             if not isinstance(exc, RequestAbortedError):
                 logger.warning("[request %s] prefill failed: %r", request_id, exc)
-            return ErrorEvent.of(request_id, exc)
+            yield ErrorEvent.of(request_id, exc)
+            return
         finally:
             loop.close_stream(request_id)
             self.peers.pop(request_id, None)
+            loop.post(lambda e: self.segments.close(request_id))
+        yield self._result(request_id, seq, arrived, output, exported)
+
+    def _result(self, request_id: str, seq, arrived: float, output, exported) -> PrefillResult:
         scheduled = seq.first_scheduled_at or arrived
         first_token = seq.first_token_at or scheduled
         return PrefillResult(
@@ -146,10 +212,12 @@ class PrefillWorker(EngineActor):
             worker_id=self.worker_id,
             first=output,
             num_prompt_tokens=output.num_prompt_tokens,
-            ticket=ticket,
+            ticket=exported.ticket if exported is not None else None,
             queue_s=scheduled - arrived,
             prefill_s=first_token - scheduled,
-            export_s=exported - first_token if exported is not None else 0.0,
+            export_s=exported.exported_at - first_token if exported is not None else 0.0,
+            segment=exported.segment if exported is not None else None,
+            segments=exported.segments if exported is not None else 0,
         )
 
     def _exporter(self, peer_id: str):
@@ -197,10 +265,17 @@ class PrefillWorker(EngineActor):
             "leases": leases,
             "rank_leases": rank_leases,
             "exports_at_risk": self.sender.at_risk_request_ids(),
+            "streams": {rid: s.published for rid, s in list(self.segments.streams.items())},
         }
 
     async def endpoint(self) -> SenderEndpoint:
         return self.sender.endpoint()
+
+    async def push_source(self):
+        """Called by the driver once per incarnation (`kv_transfer_mode: push`): the ticket
+        of no blocks a decode worker opens its standing transfer with (this sender's
+        endpoint, layout, checksum algorithm and lease)."""
+        return self.sender.push_source()
 
     async def shutdown(self) -> None:
         self._stop_engine()

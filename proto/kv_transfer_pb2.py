@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11kv_transfer.proto\x12\x13pdserve.kv_transfer\"N\n\x0c\x46\x65tchRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0breceiver_id\x18\x02 \x01(\t\x12\x15\n\rdst_block_ids\x18\x03 \x03(\x03\"%\n\x05\x43hunk\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"-\n\x04\x44one\x12\x11\n\tnum_bytes\x18\x01 \x01(\x03\x12\x12\n\nnum_chunks\x18\x02 \x01(\x03\"(\n\x05\x45rror\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x9c\x01\n\rFetchResponse\x12+\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1a.pdserve.kv_transfer.ChunkH\x00\x12)\n\x04\x64one\x18\x02 \x01(\x0b\x32\x19.pdserve.kv_transfer.DoneH\x00\x12+\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1a.pdserve.kv_transfer.ErrorH\x00\x42\x06\n\x04kind\"&\n\x10HeartbeatRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1f\n\x0eHeartbeatReply\x12\r\n\x05\x61live\x18\x01 \x01(\x08\x32\xb7\x01\n\nKVTransfer\x12P\n\x05\x46\x65tch\x12!.pdserve.kv_transfer.FetchRequest\x1a\".pdserve.kv_transfer.FetchResponse0\x01\x12W\n\tHeartbeat\x12%.pdserve.kv_transfer.HeartbeatRequest\x1a#.pdserve.kv_transfer.HeartbeatReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11kv_transfer.proto\x12\x13pdserve.kv_transfer\"x\n\x0c\x46\x65tchRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0breceiver_id\x18\x02 \x01(\t\x12\x15\n\rdst_block_ids\x18\x03 \x03(\x03\x12\x18\n\x0b\x66irst_block\x18\x04 \x01(\x03H\x00\x88\x01\x01\x42\x0e\n\x0c_first_block\"%\n\x05\x43hunk\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"-\n\x04\x44one\x12\x11\n\tnum_bytes\x18\x01 \x01(\x03\x12\x12\n\nnum_chunks\x18\x02 \x01(\x03\"(\n\x05\x45rror\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"k\n\x0bSegmentNote\x12\x13\n\x0b\x66irst_block\x18\x01 \x01(\x03\x12\x11\n\tblock_ids\x18\x02 \x03(\x03\x12\x11\n\tchecksums\x18\x03 \x03(\x04\x12\x12\n\nnum_tokens\x18\x04 \x01(\x03\x12\r\n\x05\x66inal\x18\x05 \x01(\x08\"\t\n\x07Waiting\"\x82\x02\n\rFetchResponse\x12+\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1a.pdserve.kv_transfer.ChunkH\x00\x12)\n\x04\x64one\x18\x02 \x01(\x0b\x32\x19.pdserve.kv_transfer.DoneH\x00\x12+\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1a.pdserve.kv_transfer.ErrorH\x00\x12\x33\n\x07segment\x18\x04 \x01(\x0b\x32 .pdserve.kv_transfer.SegmentNoteH\x00\x12/\n\x07waiting\x18\x05 \x01(\x0b\x32\x1c.pdserve.kv_transfer.WaitingH\x00\x42\x06\n\x04kind\"&\n\x10HeartbeatRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1f\n\x0eHeartbeatReply\x12\r\n\x05\x61live\x18\x01 \x01(\x08\x32\x8a\x02\n\nKVTransfer\x12P\n\x05\x46\x65tch\x12!.pdserve.kv_transfer.FetchRequest\x1a\".pdserve.kv_transfer.FetchResponse0\x01\x12Q\n\x06\x46ollow\x12!.pdserve.kv_transfer.FetchRequest\x1a\".pdserve.kv_transfer.FetchResponse0\x01\x12W\n\tHeartbeat\x12%.pdserve.kv_transfer.HeartbeatRequest\x1a#.pdserve.kv_transfer.HeartbeatReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,19 +32,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kv_transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_FETCHREQUEST']._serialized_start=42
-  _globals['_FETCHREQUEST']._serialized_end=120
-  _globals['_CHUNK']._serialized_start=122
-  _globals['_CHUNK']._serialized_end=159
-  _globals['_DONE']._serialized_start=161
-  _globals['_DONE']._serialized_end=206
-  _globals['_ERROR']._serialized_start=208
-  _globals['_ERROR']._serialized_end=248
-  _globals['_FETCHRESPONSE']._serialized_start=251
-  _globals['_FETCHRESPONSE']._serialized_end=407
-  _globals['_HEARTBEATREQUEST']._serialized_start=409
-  _globals['_HEARTBEATREQUEST']._serialized_end=447
-  _globals['_HEARTBEATREPLY']._serialized_start=449
-  _globals['_HEARTBEATREPLY']._serialized_end=480
-  _globals['_KVTRANSFER']._serialized_start=483
-  _globals['_KVTRANSFER']._serialized_end=666
+  _globals['_FETCHREQUEST']._serialized_end=162
+  _globals['_CHUNK']._serialized_start=164
+  _globals['_CHUNK']._serialized_end=201
+  _globals['_DONE']._serialized_start=203
+  _globals['_DONE']._serialized_end=248
+  _globals['_ERROR']._serialized_start=250
+  _globals['_ERROR']._serialized_end=290
+  _globals['_SEGMENTNOTE']._serialized_start=292
+  _globals['_SEGMENTNOTE']._serialized_end=399
+  _globals['_WAITING']._serialized_start=401
+  _globals['_WAITING']._serialized_end=410
+  _globals['_FETCHRESPONSE']._serialized_start=413
+  _globals['_FETCHRESPONSE']._serialized_end=671
+  _globals['_HEARTBEATREQUEST']._serialized_start=673
+  _globals['_HEARTBEATREQUEST']._serialized_end=711
+  _globals['_HEARTBEATREPLY']._serialized_start=713
+  _globals['_HEARTBEATREPLY']._serialized_end=744
+  _globals['_KVTRANSFER']._serialized_start=747
+  _globals['_KVTRANSFER']._serialized_end=1013
 # @@protoc_insertion_point(module_scope)

@@ -39,6 +39,11 @@ class KVTransferStub:
                 request_serializer=kv__transfer__pb2.FetchRequest.SerializeToString,
                 response_deserializer=kv__transfer__pb2.FetchResponse.FromString,
                 _registered_method=True)
+        self.Follow = channel.unary_stream(
+                '/pdserve.kv_transfer.KVTransfer/Follow',
+                request_serializer=kv__transfer__pb2.FetchRequest.SerializeToString,
+                response_deserializer=kv__transfer__pb2.FetchResponse.FromString,
+                _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/pdserve.kv_transfer.KVTransfer/Heartbeat',
                 request_serializer=kv__transfer__pb2.HeartbeatRequest.SerializeToString,
@@ -57,6 +62,16 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Follow(self, request, context):
+        """Push: the caller's standing transfer of one request's export, opened before the
+        export may exist: from `first_block` on, each run of blocks is sent as soon as it
+        is exported (a `segment` note, then its chunks, offsets from the run's start),
+        `waiting` while none comes, `done` after the final one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Heartbeat(self, request, context):
         """Extend the lease of an export while the receiver is still working on it.
         """
@@ -69,6 +84,11 @@ def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Fetch': grpc.unary_stream_rpc_method_handler(
                     servicer.Fetch,
+                    request_deserializer=kv__transfer__pb2.FetchRequest.FromString,
+                    response_serializer=kv__transfer__pb2.FetchResponse.SerializeToString,
+            ),
+            'Follow': grpc.unary_stream_rpc_method_handler(
+                    servicer.Follow,
                     request_deserializer=kv__transfer__pb2.FetchRequest.FromString,
                     response_serializer=kv__transfer__pb2.FetchResponse.SerializeToString,
             ),
@@ -103,6 +123,33 @@ class KVTransfer:
             request,
             target,
             '/pdserve.kv_transfer.KVTransfer/Fetch',
+            kv__transfer__pb2.FetchRequest.SerializeToString,
+            kv__transfer__pb2.FetchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Follow(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.kv_transfer.KVTransfer/Follow',
             kv__transfer__pb2.FetchRequest.SerializeToString,
             kv__transfer__pb2.FetchResponse.FromString,
             options,

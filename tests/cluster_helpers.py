@@ -64,15 +64,18 @@ def reference_outputs(model_dir, prompts, max_tokens: int = 12) -> list[list[int
 
 
 async def assert_cluster_leak_free(cluster: PDCluster, wait_s: float = 5.0) -> None:
-    """Every live worker: no KV block in use, no lease outstanding, no sequence left.
-    Acks travel asynchronously, so give them a moment to land."""
+    """Every live worker: no KV block in use, no lease outstanding, no sequence and no
+    streamed export or import left. Acks travel asynchronously: they get a moment to land."""
     deadline = time.monotonic() + wait_s
     while True:
         states = await cluster.controller.debug_states()
         leaked = {
             worker: state
             for worker, state in states.items()
-            if state.get("used_blocks") or state.get("outstanding_leases") or state.get("sequences")
+            if state.get("used_blocks")
+            or state.get("outstanding_leases")
+            or state.get("sequences")
+            or state.get("streams")
         }
         if not leaked:
             return

@@ -15,12 +15,29 @@ nodes cannot shift or hide a phase.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import EngineError
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenDelta
+
+
+class KVStream(enum.StrEnum):
+    """How one request's KV moves from its prefill worker to its decode worker."""
+
+    WHOLE = "whole"
+    """After the whole prompt is prefilled: one export, whose ticket goes to the decode
+    request, one pull."""
+    PULL = "pull"
+    """Chunk-streamed: each prefill chunk's completed blocks are exported as a segment,
+    whose ticket the driver relays to the decode worker, which pulls it at once."""
+    PUSH = "push"
+    """The decode worker reserves its blocks and opens one transfer as the request
+    arrives, before any KV exists; the prefill worker's sender sends each segment down
+    it as soon as it is exported (each chunk's, or the whole prompt's at the end): no
+    ticket relayed, no request per segment."""
 
 
 @dataclass(frozen=True)
@@ -34,6 +51,11 @@ class PrefillRequest:
     """When the request reached the cluster (the driver's clock): its place in the
     prefill queue, so a stream rebuilt after its decode worker died goes ahead of the
     prompts that came after it."""
+    kv_stream: KVStream = KVStream.WHOLE
+    """How the export reaches the decode worker (`KVStream`)."""
+    per_chunk: bool = True
+    """With `PUSH`: export each prefill chunk's blocks as its step ends (False: all of
+    them at once after the last chunk, pushed as one segment)."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +76,40 @@ class PrefillResult:
     """From then until the first token was sampled."""
     export_s: float
     """From the first token until the export ticket was ready (0 when none)."""
+    segment: Any | None = None
+    """A streamed export: the ticket of its final segment (the blocks the last chunk
+    completed, the partial block included); `ticket` is then the whole export's."""
+    segments: int = 0
+    """Segments the streamed export was published in (0: not streamed)."""
+
+
+@dataclass(frozen=True)
+class SegmentPublished:
+    """Prefill worker -> driver, in `prefill_streamed` (`KVStream.PULL`): one prefill
+    chunk's completed blocks were exported; the driver relays the ticket at once."""
+
+    request_id: str
+    ticket: Any
+    """`kv_transfer.ExportTicket` with `segment` set."""
+
+
+@dataclass(frozen=True)
+class StreamUpdate:
+    """Driver -> decode worker (`DecodeWorker.stream_update`), for a request sent with a
+    streamed `kv_stream`: a segment to pull, the final segment with the tokens the
+    prefill worker decided, or the end of a stream cut short."""
+
+    request_id: str
+    segment: Any | None = None
+    """`kv_transfer.ExportTicket` of one segment (`KVStream.PULL`); None with push."""
+    output_token_ids: list[int] | None = None
+    """Set once the prompt is prefilled: the tokens the prefill worker sampled (its first
+    token). The import completes only once they and every block arrived."""
+    emitted_text_len: int = 0
+    """Characters of their text the client already has (or is about to)."""
+    cut: bool = False
+    """The prefill worker died before the final segment: keep the blocks that landed and
+    were verified, compute the rest here."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +126,40 @@ class DecodeRequest:
     recovery, decode-side prefill)."""
     arrival: float | None = None
     """When the request reached the cluster, on the driver's clock: its place in line."""
+    kv_stream: KVStream = KVStream.WHOLE
+    """`PULL` / `PUSH`: sent before the prompt is prefilled, with no ticket. The import of
+    the prompt's KV starts at once (blocks reserved), fed by `StreamUpdate`s (pull: the
+    segments; both: the prefill's tokens) or by the transfer it opens (push)."""
+    push_from: Any | None = None
+    """`KVStream.PUSH`: the ticket of no blocks (`ExportTicket` with the prefill worker's
+    endpoint, layout, checksum algorithm) that the standing transfer starts from."""
+
+
+@dataclass(frozen=True)
+class StreamReceipt:
+    """What a streamed import overlapped, on the decode worker's clock: the part of the
+    transfer hidden behind the prefill's compute and the part exposed after it."""
+
+    segments: int
+    """Segments pulled (or pushed), the prefix cache's wholly held ones excluded."""
+    hidden_s: float
+    """Transfer time spent before the final segment arrived, i.e. while the prefill
+    worker still computed the prompt's last chunk (or earlier)."""
+    exposed_s: float
+    """From the final segment's arrival until the last block landed: what the link still
+    adds to the time until decode can start."""
+    first_landed_before_final_s: float | None
+    """How long before the final segment arrived the first segment had landed (>0: the
+    transfer overlapped the compute); None when none landed first."""
+    first_landed_at: float | None = None
+    """The decode worker's monotonic clock when the first segment landed: comparable with
+    another worker's stamps on one node only (tests, the overlap proof)."""
+    kept_blocks: int = 0
+    """An import that did not complete: its leading blocks kept (landed in order, each
+    verified), not recomputed."""
+    cut: bool = False
+    """The stream was cut short: its prefill worker died before the final segment, and
+    the decode worker computes the rest whatever `on_transfer_failure` says."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +186,9 @@ class ImportEvent:
     slices: tuple = ()
     """`kv_transfer.SliceReceipt` per head slice, where the import went between
     tensor-parallel layouts: sender rank, receiver rank, KV heads, bytes, checksum."""
+    stream: StreamReceipt | None = None
+    """A streamed import's overlap (None: the whole prompt moved after its prefill, and
+    all of `transfer_s` was exposed)."""
 
 
 TokenEvent = TokenDelta

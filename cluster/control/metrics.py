@@ -148,6 +148,22 @@ class ClusterMetrics:
             ["src", "dst", "reason"],
             registry=r,
         )
+        self.kv_hidden = _histogram(
+            r,
+            "pdserve_kv_transfer_hidden_seconds",
+            "KV transfer time per request spent while its prompt still computed (streamed "
+            "exports; 0 for whole-prompt transfers), by how the KV moved (whole, pull, push)",
+            ["stream"],
+            TRANSFER_BUCKETS,
+        )
+        self.kv_exposed = _histogram(
+            r,
+            "pdserve_kv_transfer_exposed_seconds",
+            "KV transfer time per request after its prompt's last chunk, until the last block "
+            "landed: what the link adds before decode starts, by how the KV moved",
+            ["stream"],
+            TRANSFER_BUCKETS,
+        )
         self.kv_failures = Counter(
             "pdserve_kv_transfer_failures_total",
             "Failed KV transfers by reason (timeout, checksum, peer_died, layout_mismatch...)",
@@ -255,6 +271,8 @@ class ClusterMetrics:
                 self.kv_recomputes.labels(*link[1:], reason).inc()
             return
         seconds = b["kv_transfer_s"] or 0.0
+        self.kv_hidden.labels(b["kv_stream"]).observe(b["kv_transfer_hidden_s"] or 0.0)
+        self.kv_exposed.labels(b["kv_stream"]).observe(b["kv_transfer_exposed_s"] or 0.0)
         self.kv_bytes.labels(*link).inc(timeline.kv_bytes)
         self.kv_transfers.labels(*link).inc()
         self.kv_seconds.labels(*link).observe(seconds)

@@ -79,6 +79,32 @@ class _Subscription:
             self._hold(request_id, False)
 
 
+class StartedDecode:
+    """One request's events on a decode worker, registered from the moment it was sent;
+    iterate it once, and `close` it (idempotent) when done or never read."""
+
+    def __init__(self, subscription: _Subscription, request_id: str, worker_id: str):
+        self.subscription = subscription
+        self.request_id = request_id
+        self.worker_id = worker_id
+        self.queue: asyncio.Queue = asyncio.Queue()
+        subscription.queues[request_id] = self.queue
+
+    async def __aiter__(self) -> AsyncIterator:
+        subscription, queue = self.subscription, self.queue
+        while (event := await queue.get()) is not None:  # None: it ended (aborted)
+            if isinstance(event, BaseException):
+                raise event
+            subscription.took(self.request_id, queue)
+            yield event
+
+    def close(self) -> None:
+        subscription = self.subscription
+        if subscription.queues.get(self.request_id) is self.queue:
+            del subscription.queues[self.request_id]
+        subscription.held.discard(self.request_id)
+
+
 class DecodeStreams:
     """One per `RequestFlow`; `events` is how the flow runs a request on a decode worker."""
 
@@ -93,21 +119,24 @@ class DecodeStreams:
         ErrorEvent) as they come. Raises the worker's failure (`RayActorError`, ...) if
         it dies first. Stops reading when the caller stops iterating; aborting the
         request on the worker is its owner's business (`ClusterRequest.close`)."""
-        subscription = self._subscription(worker)
-        request_id = request.request_id
-        queue: asyncio.Queue = asyncio.Queue()
-        subscription.queues[request_id] = queue
+        started = await self.start(worker, request)
         try:
-            await worker.handle.decode.remote(request, self.subscriber)
-            while (event := await queue.get()) is not None:  # None: it ended (aborted)
-                if isinstance(event, BaseException):
-                    raise event
-                subscription.took(request_id, queue)
+            async for event in started:
                 yield event
         finally:
-            if subscription.queues.get(request_id) is queue:
-                del subscription.queues[request_id]
-            subscription.held.discard(request_id)
+            started.close()
+
+    async def start(self, worker: WorkerInfo, request: DecodeRequest) -> StartedDecode:
+        """Send `request` to `worker` now and return its events to read later (a streamed
+        import starts before its prompt is prefilled, its events are read after)."""
+        subscription = self._subscription(worker)
+        started = StartedDecode(subscription, request.request_id, worker.worker_id)
+        try:
+            await worker.handle.decode.remote(request, self.subscriber)
+        except BaseException:
+            started.close()
+            raise
+        return started
 
     def close(self) -> None:
         """Cluster shutdown: stop reading every stream."""

@@ -10,7 +10,9 @@ time until the request can decode on its decode worker, each way:
              + per-token cost, from its own step trace: engine/step_costs.py)
            + call overhead (measured: the prefill call's span minus the worker's phases)
            + the transfer of the blocks the decode worker's cache lacks, at the link's
-             measured bandwidth (before any measurement: the configured cap, if any)
+             measured bandwidth (before any measurement: the configured cap, if any);
+             streamed (`kv_streaming: chunk`), only the part the prefill's compute does
+             not hide: each chunk's blocks move while the next chunk computes
     local  = the prompts already sent to the decode worker to prefill there (queued
              ahead of this one) + the decode worker's prefill of the tokens its own
              cache lacks. With a
@@ -72,6 +74,8 @@ class PathInputs:
     """Prompt tokens the decode worker was already asked to prefill itself."""
     decode_running: int = 0
     overhead_s: float = DEFAULT_OVERHEAD_S
+    streamed: bool = False
+    """The KV moves chunk by chunk as the prefill goes (`kv_streaming: chunk`)."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,15 @@ def _prefill_s(costs: StepCosts, tokens: int, chunk: int, fixed: bool = True) ->
     return (costs.prefill_fixed_s or 0.0) * chunks + (costs.prefill_token_s or 0.0) * tokens
 
 
+def exposed_transfer_s(compute_s: float, transfer_s: float, chunks: int) -> float:
+    """The transfer time left after a prefill of `chunks` chunks when each chunk's blocks
+    move once its step ends (an even split: the pipeline finishes at the later of the
+    compute plus one chunk's transfer and one chunk's compute plus the transfer)."""
+    chunks = max(1, chunks)
+    finish = max(compute_s + transfer_s / chunks, compute_s / chunks + transfer_s)
+    return finish - compute_s
+
+
 def predict(inputs: PathInputs) -> tuple[float, float, int]:
     """(remote seconds, local seconds, blocks the remote path moves)."""
     p, d = inputs.prefill_costs, inputs.decode_costs
@@ -106,11 +119,15 @@ def predict(inputs: PathInputs) -> tuple[float, float, int]:
     moved = max(
         0, blocks_needed(n, inputs.block_size) - inputs.decode_cached_tokens // inputs.block_size
     )
+    compute = _prefill_s(p, remote_tokens, inputs.prefill_chunk)
+    transfer = moved * inputs.block_bytes / inputs.bandwidth
+    if inputs.streamed:
+        transfer = exposed_transfer_s(compute, transfer, -(-remote_tokens // inputs.prefill_chunk))
     remote = (
         (p.prefill_token_s or 0.0) * inputs.prefill_queue_tokens
-        + _prefill_s(p, remote_tokens, inputs.prefill_chunk)
+        + compute
         + inputs.overhead_s
-        + moved * inputs.block_bytes / inputs.bandwidth
+        + transfer
     )
     queued = (d.prefill_token_s or 0.0) * inputs.decode_queue_tokens
     decode_chunk = inputs.decode_chunk or inputs.prefill_chunk
@@ -173,8 +190,11 @@ class Disaggregation:
         block_size: int,
         configured_bandwidth: float | None = None,
         decode_chunk: int | None = None,
+        streamed: bool = False,
     ):
         self.mode = mode
+        self.streamed = streamed
+        """Prompts' KV streams chunk by chunk: only its exposed part delays the remote path."""
         self.views = views
         self.prefill_chunk = prefill_chunk
         self.decode_chunk = decode_chunk
@@ -233,6 +253,7 @@ class Disaggregation:
             decode_queue_tokens=decode.local_prefill_tokens,
             decode_running=max(getattr(decode.load, "num_running", 0), decode.in_flight - 1),
             overhead_s=self.costs.overhead_s,
+            streamed=self.streamed,
         )
 
 

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cluster.control.worker_info import WorkerInfo
+from cluster.flow.decode_streams import StartedDecode
 from cluster.flow.router import Claim, LocalPrefill
 from cluster.timeline import RequestTimeline
 from engine.logprobs import TokenLogprobs
@@ -137,6 +138,11 @@ class ClusterRequest:
         self.local_prefill: LocalPrefill | None = None
         """Set when `auto` sent the prompt to the decode worker to prefill."""
         """The decode worker picked together with the prefill worker (the export's peer)."""
+        self.started_decode: StartedDecode | None = None
+        """A streamed request's decode, sent ahead of its prefill, until the decode phase
+        reads its events (`RequestFlow._take_started`)."""
+        self.started_decode_worker: WorkerInfo | None = None
+        self.started_decode_at: float | None = None
         self.last_chunk: GenerationChunk | None = None
         self.close_reason: CloseReason | None = None
         self.on_close: list[Callable[[ClusterRequest], None]] = []
@@ -193,6 +199,9 @@ class ClusterRequest:
         if self.closed:
             return
         self.close_reason = CloseReason(reason)
+        if self.started_decode is not None:  # never read: stop collecting its events
+            self.started_decode.close()
+            self.started_decode = None
         for worker in list(self._holders.values()):
             self._abort_on(worker)
         self._holders.clear()

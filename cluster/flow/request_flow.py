@@ -8,6 +8,15 @@ Disaggregated:
     side is acked (blocks freed)
 Colocated:
     router picks a colocated worker -> generate() prefills and decodes in one engine.
+Streamed (`kv_streaming: chunk`): the decode request goes out with the prefill, before
+    any KV exists, so the decode worker reserves its blocks at once; each prefill
+    chunk's completed blocks are exported as a segment as soon as its step ends, and
+    reach the decode worker while the next chunk computes: relayed here one ticket at a
+    time (`kv_transfer_mode: pull`, the decode worker pulls each at once), or sent by
+    the prefill worker's sender down the one transfer the decode worker opened (`push`).
+    The prefill's reply (first token, final segment) is relayed too; the import ends
+    once every block and the first token are there. A prefill worker that dies
+    mid-stream leaves the decode worker what landed: it computes only the rest.
 Where the prompt is prefilled (`disaggregation`, cluster/flow/disaggregation.py): `always`
 on the prefill worker, `never` on the decode worker (no prefill pick, no transfer),
 `auto` per request from measured costs, after the pair is picked. Picks pass the
@@ -35,7 +44,6 @@ ends; the flow itself never aborts or releases on its way out.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import enum
 import logging
@@ -46,8 +54,9 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 
 from cluster.config import ClusterConfig
 from cluster.control.worker_info import WorkerInfo
-from cluster.flow.decode_streams import DecodeStreams, WorkerStreamClosed
+from cluster.flow.decode_streams import DecodeStreams, StartedDecode, WorkerStreamClosed
 from cluster.flow.disaggregation import Disaggregation, PathChoice
+from cluster.flow.kv_delivery import KVDelivery
 from cluster.flow.recovery_costs import RecoveryCosts
 from cluster.flow.request import (
     ClusterRequest,
@@ -62,6 +71,7 @@ from worker.messages import (
     DecodeRequest,
     ErrorEvent,
     ImportEvent,
+    KVStream,
     PrefillRequest,
     PrefillResult,
     TokenEvent,
@@ -87,6 +97,9 @@ class PrefillElsewhere(enum.Enum):
     """`disaggregation` chose the decode worker."""
     NO_PREFILL_WORKER = enum.auto()
     """No prefill worker was alive."""
+    STREAM_CUT = enum.auto()
+    """The prefill worker died mid-stream: the decode worker keeps the segments that
+    landed and computes the rest."""
 
 
 class RequestFlow:
@@ -115,7 +128,10 @@ class RequestFlow:
             config.block_size,
             config.transport.bandwidth_bytes_per_s,
             decode_chunk=config.decode_prefill_chunk,
+            streamed=config.kv_streaming == "chunk",
         )
+        self.delivery = KVDelivery(config, self.streams)
+        """How prompts' KV reaches the decode workers: whole, or streamed (pulled, pushed)."""
 
     async def run(self, req: ClusterRequest) -> AsyncIterator[GenerationChunk]:
         if self.config.mode == "disaggregated":
@@ -173,10 +189,13 @@ class RequestFlow:
             req.hold(worker)
             sent = time.monotonic()
             try:
-                reply = await worker.handle.prefill.remote(self._prefill_request(req))
+                reply = await self._run_prefill(req, claim)
             except WORKER_FAILURES as exc:
                 req.let_go(worker)
                 self._failed(claim, exc, req, Recovery.PREFILL_DIED)
+                if req.started_decode is not None:
+                    self._cut_stream(req)
+                    return PrefillElsewhere.STREAM_CUT
                 retried = True
                 continue
             finally:
@@ -192,6 +211,18 @@ class RequestFlow:
             else:
                 req.exporter = worker
             return reply
+
+    async def _run_prefill(self, req: ClusterRequest, claim: Claim) -> PrefillResult | ErrorEvent:
+        """The prefill call; for a streamed request also the start of its decode and the
+        relays of what the prefill makes (`KVDelivery.prefill`)."""
+        return await self.delivery.prefill(req, claim.worker, self._prefill_request)
+
+    def _cut_stream(self, req: ClusterRequest) -> None:
+        """The prefill worker died mid-stream: the decode worker keeps what landed and
+        computes the rest, which counts as queued there."""
+        self.delivery.cut(req)
+        req.timeline.recovery_paths.append(RecoveryPath.STREAM_KEPT)
+        self._prefill_locally(req, req.started_decode_worker, len(req.prompt_ids))
 
     def _prefill_locally(self, req: ClusterRequest, decode: WorkerInfo, tokens: int) -> None:
         """`decode` will compute `tokens` of this request's KV itself: they count as queued
@@ -221,10 +252,18 @@ class RequestFlow:
         req.timeline.disaggregation = choice.as_dict()
         return choice.path == "local"
 
-    def _prefill_request(self, req: ClusterRequest) -> PrefillRequest:
+    def _prefill_request(
+        self, req: ClusterRequest, stream: KVStream = KVStream.WHOLE, per_chunk: bool = True
+    ) -> PrefillRequest:
         peer = req.decode_pick.worker.worker_id if req.decode_pick else ""
         return PrefillRequest(
-            req.request_id, req.prompt_ids, req.params, peer, req.timeline.arrival
+            req.request_id,
+            req.prompt_ids,
+            req.params,
+            peer,
+            req.timeline.arrival,
+            stream,
+            per_chunk,
         )
 
     # --- decode -----------------------------------------------------------------------
@@ -325,8 +364,42 @@ class RequestFlow:
     async def _decode_on(self, claim: Claim, req: ClusterRequest):
         worker = claim.worker
         req.hold(worker)
-        sent = time.monotonic()
-        request = DecodeRequest(
+        events, sent = self._take_started(req, worker), req.started_decode_at
+        try:
+            if events is None:
+                sent = time.monotonic()
+                events = await self.streams.start(worker, self._decode_request(req))
+            async for item in events:
+                if isinstance(item, ImportEvent):
+                    self._on_imported(req, sent, item)
+                elif isinstance(item, ErrorEvent):
+                    req.let_go(worker)
+                    raise _request_error(item)
+                else:
+                    for chunk in self._on_tokens(req, item, worker):
+                        yield chunk
+                    if item.finished:
+                        # Done: not waiting for more, where the worker's death
+                        # would read as this request's and decode it again.
+                        return
+        finally:
+            if events is not None:
+                events.close()
+            claim.release()
+
+    @staticmethod
+    def _take_started(req: ClusterRequest, worker: WorkerInfo) -> StartedDecode | None:
+        """The events of the decode request sent ahead of a streamed prefill, if it went
+        to `worker` (its first decode attempt); any other is dropped here."""
+        started, req.started_decode = req.started_decode, None
+        if started is not None and started.worker_id != worker.worker_id:
+            started.close()
+            return None
+        return started
+
+    @staticmethod
+    def _decode_request(req: ClusterRequest) -> DecodeRequest:
+        return DecodeRequest(
             req.request_id,
             req.prompt_ids,
             list(req.decided),
@@ -335,23 +408,6 @@ class RequestFlow:
             req.ticket,
             req.timeline.arrival,
         )
-        try:
-            async with contextlib.aclosing(self.streams.events(worker, request)) as events:
-                async for item in events:
-                    if isinstance(item, ImportEvent):
-                        self._on_imported(req, sent, item)
-                    elif isinstance(item, ErrorEvent):
-                        req.let_go(worker)
-                        raise _request_error(item)
-                    else:
-                        for chunk in self._on_tokens(req, item, worker):
-                            yield chunk
-                        if item.finished:
-                            # Done: not waiting for more, where the worker's death
-                            # would read as this request's and decode it again.
-                            return
-        finally:
-            claim.release()
 
     def _on_tokens(self, req: ClusterRequest, item: TokenEvent, worker: WorkerInfo):
         if req.local_prefill is not None:  # its prompt is computed: no longer queued
@@ -395,6 +451,15 @@ class RequestFlow:
             return
         prefill = req.exporter.worker_id if req.exporter else "?"
         req.release_export()
+        if event.stream is not None and event.stream.cut:
+            # The prefill worker died mid-stream: what landed was kept, the rest computed
+            # on the decode worker whatever the policy (recorded here unless this driver
+            # saw the death first and cut the stream itself).
+            req.timeline.recomputed = True
+            if RecoveryPath.STREAM_KEPT not in req.timeline.recovery_paths:
+                req.timeline.recoveries.append(Recovery.TRANSFER_FAILED)
+                req.timeline.recovery_paths.append(RecoveryPath.STREAM_KEPT)
+            return
         if self.config.on_transfer_failure == "recompute":
             req.timeline.recomputed = True
             req.timeline.recoveries.append(Recovery.TRANSFER_FAILED)

@@ -13,6 +13,7 @@ from kv_transfer.base import ExportTicket
 from kv_transfer.config import TransportOptions
 from kv_transfer.integrity import BlockVerifier
 from kv_transfer.node import node_id
+from kv_transfer.push import FollowedSegments
 from kv_transfer.receiver import TransportReceiver
 from kv_transfer.sender import RegistrySender
 from kv_transfer.transports.collective import CollectiveReceiver, CollectiveServer
@@ -47,6 +48,9 @@ class AutoReceiver(TransportReceiver):
         verifier: BlockVerifier,
     ):
         return self.choose(ticket)._pull(ticket, dst_block_ids, deadline, verifier)
+
+    def _follow(self, followed: FollowedSegments, timeout_s: float) -> str:
+        return self.choose(followed.ticket)._follow(followed, timeout_s)
 
     def keepalive(self, ticket: ExportTicket, timeout_s: float = 5.0) -> bool:
         return self.choose(ticket).keepalive(ticket, timeout_s)

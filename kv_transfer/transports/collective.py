@@ -66,11 +66,22 @@ from kv_transfer.control import (
     responsive,
     send_message,
 )
-from kv_transfer.control_messages import Done, Fetch, Heartbeat, Pair, Reply, parse_request
+from kv_transfer.control_messages import (
+    WAITING,
+    Done,
+    Fetch,
+    Follow,
+    Heartbeat,
+    Pair,
+    Reply,
+    SegmentNote,
+    parse_request,
+)
 from kv_transfer.endpoints import CollectiveEndpoint, HostPort
 from kv_transfer.faults import DropTransfer, FaultPlan
 from kv_transfer.integrity import BlockVerifier
 from kv_transfer.listeners import bind_listener
+from kv_transfer.push import ExportGone, FollowedSegments
 from kv_transfer.receiver import TransportReceiver, fail, remaining
 from kv_transfer.sender import RegistrySender
 from kv_transfer.shaping import Shaper
@@ -194,6 +205,8 @@ class CollectiveServer:
                     _reply(conn, Reply(alive, FailureReason.UNKNOWN_REQUEST))
                 elif isinstance(request, Fetch):
                     self._serve_fetch(conn, group, request)
+                elif isinstance(request, Follow):
+                    self._serve_follow(conn, group, request)
                 else:
                     _reply(conn, Reply(False, FailureReason.INTERNAL))
         finally:
@@ -208,7 +221,7 @@ class CollectiveServer:
         shaper, piece_bytes = self._shaper(), self.piece_bytes
         block_nbytes = self.sender.pool.layout.block_nbytes
         dst = request.dst_block_ids
-        src = requested_blocks(record.block_ids, len(dst))
+        src = requested_blocks(record.block_ids, len(dst), request.first_block)
         if src is None:
             self.sender.registry.end_transfer(request_id, 0, FailureReason.INTERNAL)
             _reply(conn, Reply(False, FailureReason.INTERNAL))
@@ -229,6 +242,33 @@ class CollectiveServer:
         # Recorded before `done` leaves: the receiver may read the stats the moment it
         # has `done` (as in the gRPC server).
         send_message(conn, Done(total_bytes(pieces)).to_json())
+
+    def _serve_follow(self, conn: socket.socket, group, request: Follow) -> None:
+        """push: each run of the export's blocks, as it is exported: its note, then its
+        pieces (the receiver posts their receives on reading the note); `Waiting` while
+        none comes; `Done` after the final one. The pair serves nothing else meanwhile:
+        receivers follow on pairs of their own."""
+        block_nbytes = self.sender.pool.layout.block_nbytes
+        sent = 0
+        try:
+            for note in self.sender.pushed(request.request_id, request.first_block):
+                if note is None:
+                    send_message(conn, WAITING)
+                    continue
+                start = note.first_block - request.first_block
+                dst = request.dst_block_ids[start : start + len(note.block_ids)]
+                pieces = plan_pieces(note.block_ids, dst, block_nbytes, self.piece_bytes)
+                send_message(conn, note.to_json())
+                with self.stream.active():
+                    self._send_pieces(group, request.request_id, pieces, self._shaper())
+                sent += total_bytes(pieces)
+        except ExportGone:
+            _reply(conn, Reply(False, FailureReason.UNKNOWN_REQUEST, "export is gone"))
+            return
+        except DropTransfer:
+            conn.shutdown(socket.SHUT_RDWR)
+            raise ChannelClosed("dropped by fault injection") from None
+        send_message(conn, Done(sent).to_json())
 
     def _send_pieces(self, group, request_id: str, pieces: list[Piece], shaper: Shaper) -> None:
         flat = flat_bytes(self.sender.pool.kv)
@@ -280,6 +320,9 @@ class CollectiveReceiver(TransportReceiver):
     def __init__(self, worker_id: str, pool: KVCachePool, options: TransportOptions):
         super().__init__("collective", worker_id, pool, options)
         self._pairs: dict[str, _Pair] = {}
+        self._following: dict[tuple[str, int], list[_Pair]] = {}
+        """Idle pairs of standing transfers (push), by sender control address: each
+        follow holds a pair of its own for as long as its prompt prefills."""
         self._lock = threading.Lock()
 
     def _pair(self, ticket: ExportTicket, deadline: float) -> _Pair:
@@ -352,7 +395,7 @@ class CollectiveReceiver(TransportReceiver):
     def _transfer(
         self, pair: _Pair, ticket, dst_block_ids: list[int], deadline: float, verifier
     ) -> None:
-        request = Fetch(ticket.request_id, dst_block_ids)
+        request = Fetch(ticket.request_id, dst_block_ids, ticket.first_block)
         piece_bytes = ticket.sender_endpoint.collective.piece_bytes
         try:
             # Receives posted with the fetch: the first piece flies without waiting for
@@ -398,6 +441,63 @@ class CollectiveReceiver(TransportReceiver):
             reason = FailureReason.DROPPED
         return fail(ticket, reason, f"{type(exc).__name__}: {exc}")
 
+    def _follow(self, followed: FollowedSegments, timeout_s: float) -> str:
+        ticket = followed.ticket
+        info = ticket.sender_endpoint.collective
+        if info is None:
+            raise fail(ticket, FailureReason.INTERNAL, "sender does not serve collective")
+        address = (info.control.host, info.control.port)
+        with self._lock:
+            idle = self._following.get(address)
+            pair = idle.pop() if idle else None
+        if pair is None:
+            pair = self._build_pair(ticket, time.monotonic() + timeout_s)
+        try:
+            self._land_followed(pair, followed, timeout_s, info.piece_bytes)
+        except BaseException:
+            pair.conn.close()
+            drop_group(pair.group)
+            raise
+        with self._lock:
+            self._following.setdefault(address, []).append(pair)
+        return "collective"
+
+    def _land_followed(
+        self, pair: _Pair, followed: FollowedSegments, timeout_s: float, piece_bytes
+    ):
+        ticket = followed.ticket
+        block_nbytes = self.pool.layout.block_nbytes
+        flat = flat_bytes(self.pool.kv)
+        request = Follow(ticket.request_id, followed.first_block, followed.dst)
+        try:
+            pair.conn.send(request.to_json())
+            while True:
+                deadline = time.monotonic() + timeout_s
+                message = pair.conn.recv(remaining(deadline, ticket))
+                remaining(deadline, ticket)  # cancelled meanwhile?
+                note = SegmentNote.from_json(message)
+                if note is None:
+                    if message.get("waiting"):
+                        continue
+                    if Done.from_json(message) is not None:
+                        break
+                    raise fail(ticket, Reply.from_json(message).failure, str(message))
+                segment, dst, verifier, arrived = followed.open(note)
+                pieces = plan_pieces(segment.block_ids, dst, block_nbytes, piece_bytes)
+                works = [
+                    pair.group.recv([flat[p.dst : p.dst + p.nbytes]], SENDER_RANK, 0)
+                    for p in pieces
+                ]
+                for piece, work in zip(pieces, works, strict=True):
+                    work.wait(timedelta(seconds=remaining(deadline, ticket)))
+                    verifier.landed(piece.offset + piece.nbytes)
+                followed.landed(segment, verifier, arrived)
+        except KVTransferError:
+            raise
+        except Exception as exc:
+            raise self._classify(ticket, exc) from None
+        followed.ended()
+
     def keepalive(self, ticket: ExportTicket, timeout_s: float = 5.0) -> bool:
         try:
             pair = self._pair(ticket, time.monotonic() + timeout_s)
@@ -414,6 +514,8 @@ class CollectiveReceiver(TransportReceiver):
     def close(self) -> None:
         with self._lock:
             pairs, self._pairs = list(self._pairs.values()), {}
+            pairs += [p for idle in self._following.values() for p in idle]
+            self._following = {}
         for pair in pairs:
             pair.conn.close()
             drop_group(pair.group)

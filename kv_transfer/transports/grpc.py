@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -28,9 +29,11 @@ from kv_transfer.base import ExportTicket, FailureReason
 from kv_transfer.blockio import PoolBytes, plan_pieces, requested_blocks, total_bytes
 from kv_transfer.config import TransportOptions
 from kv_transfer.control import token_matches
+from kv_transfer.control_messages import SegmentNote
 from kv_transfer.endpoints import GrpcEndpoint
 from kv_transfer.faults import DropTransfer, FaultPlan
 from kv_transfer.integrity import BlockVerifier
+from kv_transfer.push import ExportGone, FollowedSegments
 from kv_transfer.receiver import TransportReceiver, fail, remaining
 from kv_transfer.sender import RegistrySender
 from kv_transfer.shaping import Shaper
@@ -129,7 +132,8 @@ class _Servicer(pb_grpc.KVTransferServicer):
             yield _error(FailureReason.UNKNOWN_REQUEST, "export is gone (acked, expired, aborted)")
             return
         dst = list(request.dst_block_ids)
-        src = requested_blocks(record.block_ids, len(dst))
+        first = request.first_block if request.HasField("first_block") else None
+        src = requested_blocks(record.block_ids, len(dst), first)
         if src is None:
             self.sender.registry.end_transfer(request.request_id, 0, FailureReason.INTERNAL)
             yield _error(
@@ -153,6 +157,37 @@ class _Servicer(pb_grpc.KVTransferServicer):
             # reads it, and this generator may never be resumed after that yield.
             done = pb.Done(num_bytes=total_bytes(pieces), num_chunks=len(pieces))
             yield pb.FetchResponse(done=done)
+
+    def Follow(self, request, context):
+        """push: each run of the export's blocks as it is exported: its note, then its
+        chunks (offsets from the run's start); `waiting` while none comes."""
+        request_id = request.request_id
+        first = request.first_block if request.HasField("first_block") else 0
+        dst = list(request.dst_block_ids)
+        block_nbytes = self.sender.pool.layout.block_nbytes
+        sent = 0
+        try:
+            for note in self.sender.pushed(request_id, first):
+                if note is None:
+                    yield pb.FetchResponse(waiting=pb.Waiting())
+                    continue
+                start = note.first_block - first
+                part = dst[start : start + len(note.block_ids)]
+                if len(part) != len(note.block_ids):
+                    yield _error(FailureReason.INTERNAL, f"{len(dst)} dst blocks from {first}")
+                    return
+                yield pb.FetchResponse(segment=_segment_message(note))
+                shaper = Shaper(self.options.bandwidth_bytes_per_s, self.options.added_latency_s)
+                piece_bytes = min(shaper.piece_bytes(self.options.chunk_bytes), MESSAGE_BYTES)
+                pieces = plan_pieces(note.block_ids, part, block_nbytes, piece_bytes)
+                yield from self._stream(request_id, pieces, shaper)
+                sent += total_bytes(pieces)
+        except ExportGone:
+            yield _error(FailureReason.UNKNOWN_REQUEST, "export is gone (acked, expired, aborted)")
+            return
+        except DropTransfer:
+            return
+        yield pb.FetchResponse(done=pb.Done(num_bytes=sent))
 
     def _stream(self, request_id: str, pieces, shaper: Shaper):
         flat, host = self._pool_bytes.views(self.sender.pool.kv)
@@ -180,6 +215,26 @@ def _error(reason: FailureReason, message: str) -> pb.FetchResponse:
     return pb.FetchResponse(error=pb.Error(reason=reason.value, message=message))
 
 
+def _segment_message(note: SegmentNote) -> pb.SegmentNote:
+    return pb.SegmentNote(
+        first_block=note.first_block,
+        block_ids=note.block_ids,
+        checksums=note.checksums,
+        num_tokens=note.num_tokens,
+        final=note.final,
+    )
+
+
+def _segment_note(message: pb.SegmentNote) -> SegmentNote:
+    return SegmentNote(
+        message.first_block,
+        list(message.block_ids),
+        list(message.checksums),
+        message.num_tokens,
+        message.final,
+    )
+
+
 def _handlers(servicer: _Servicer) -> grpc.GenericRpcHandler:
     """The generated servicer's methods, with chunks serialized by grpc_wire (no protobuf
     copy of the payload); the service and messages are those of the .proto."""
@@ -188,6 +243,11 @@ def _handlers(servicer: _Servicer) -> grpc.GenericRpcHandler:
         {
             "Fetch": grpc.unary_stream_rpc_method_handler(
                 servicer.Fetch,
+                request_deserializer=pb.FetchRequest.FromString,
+                response_serializer=serialize_response,
+            ),
+            "Follow": grpc.unary_stream_rpc_method_handler(
+                servicer.Follow,
                 request_deserializer=pb.FetchRequest.FromString,
                 response_serializer=serialize_response,
             ),
@@ -240,6 +300,34 @@ def make_grpc_sender(worker_id: str, pool: KVCachePool, options: TransportOption
     return RegistrySender("grpc", worker_id, pool, options, [GrpcServer])
 
 
+class _Watchdog:
+    """Calls `fire()` (cancels a call) once `timeout_s` passed without a `kick`."""
+
+    def __init__(self, timeout_s: float, fire):
+        self.timeout_s = timeout_s
+        self.fired = False
+        self._fire = fire
+        self._kicked = threading.Event()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="kv-follow-watch", daemon=True)
+        self._thread.start()
+
+    def kick(self) -> None:
+        self._kicked.set()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._kicked.set()
+
+    def _watch(self) -> None:
+        while not self._stopped.is_set():
+            if not self._kicked.wait(self.timeout_s):
+                self.fired = True
+                self._fire()
+                return
+            self._kicked.clear()
+
+
 def _run_lengths(ids: list[int]) -> list[int]:
     """For each position, how many blocks from there on have consecutive ids."""
     lengths = [1] * len(ids)
@@ -257,9 +345,9 @@ class GrpcReceiver(TransportReceiver):
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
 
-    def _fetch_call(self, ticket: ExportTicket):
+    def _fetch_call(self, ticket: ExportTicket, method: str = "Fetch"):
         return self._channel(ticket).unary_stream(
-            f"/{SERVICE}/Fetch",
+            f"/{SERVICE}/{method}",
             request_serializer=pb.FetchRequest.SerializeToString,
             response_deserializer=deserialize_response,
         )
@@ -294,7 +382,10 @@ class GrpcReceiver(TransportReceiver):
     ) -> str:
         fetch = self._fetch_call(ticket)
         request = pb.FetchRequest(
-            request_id=ticket.request_id, receiver_id=self.worker_id, dst_block_ids=dst_block_ids
+            request_id=ticket.request_id,
+            receiver_id=self.worker_id,
+            dst_block_ids=dst_block_ids,
+            first_block=ticket.first_block,
         )
         metadata = [(TOKEN_KEY, self.options.token)]
         call = fetch(request, timeout=remaining(deadline, ticket), metadata=metadata)
@@ -351,6 +442,69 @@ class GrpcReceiver(TransportReceiver):
             else:
                 verifier.copy_piece(piece, flat[start : start + n], offset + done, False)
             done += n
+
+    def _follow(self, followed: FollowedSegments, timeout_s: float) -> str:
+        ticket = followed.ticket
+        request = pb.FetchRequest(
+            request_id=ticket.request_id,
+            receiver_id=self.worker_id,
+            dst_block_ids=followed.dst,
+            first_block=followed.first_block,
+        )
+        metadata = [(TOKEN_KEY, self.options.token)]
+        call = self._fetch_call(ticket, "Follow")(request, metadata=metadata)
+        # The call lasts as long as the prompt prefills: no deadline on it, but one on
+        # each message, kept by a watchdog (the sender's `waiting` notes are frequent).
+        watchdog = _Watchdog(timeout_s, call.cancel)
+        try:
+            self._land_followed(call, followed, watchdog)
+        except grpc.RpcError as exc:
+            if watchdog.fired:
+                raise fail(ticket, FailureReason.TIMEOUT, "sender silent on follow") from None
+            reason = _STATUS_REASONS.get(exc.code(), FailureReason.INTERNAL)
+            raise fail(ticket, reason, f"gRPC {exc.code().name}: {exc.details()}") from None
+        finally:
+            watchdog.stop()
+            call.cancel()
+        return "grpc"
+
+    def _land_followed(self, call, followed: FollowedSegments, watchdog) -> None:
+        ticket = followed.ticket
+        tensor, host = self._bytes.views(self.pool.kv)
+        flat = tensor if host is None else host
+        block_nbytes = self.pool.layout.block_nbytes
+        current = None  # (segment, dst, runs, verifier, arrived, expected bytes, offset)
+        for response in call:
+            watchdog.kick()
+            remaining(time.monotonic() + watchdog.timeout_s, ticket)  # cancelled?
+            if isinstance(response, tuple):  # a chunk of the current segment
+                if current is None:
+                    raise fail(ticket, FailureReason.INTERNAL, "chunk before its segment")
+                segment, dst, runs, verifier, arrived, expected, offset = current
+                _, chunk_offset, payload = response
+                if chunk_offset != offset or offset + len(payload) > expected:
+                    raise fail(ticket, FailureReason.INTERNAL, f"chunk at {chunk_offset}")
+                data = np.frombuffer(payload, dtype=np.uint8)
+                self._write(flat, dst, runs, block_nbytes, offset, data, verifier)
+                offset += len(payload)
+                current = (segment, dst, runs, verifier, arrived, expected, offset)
+                if offset == expected:
+                    followed.landed(segment, verifier, arrived)
+                    current = None
+                continue
+            kind = response.WhichOneof("kind")
+            if kind == "segment":
+                segment, dst, verifier, arrived = followed.open(_segment_note(response.segment))
+                expected = len(dst) * block_nbytes
+                current = (segment, dst, _run_lengths(dst), verifier, arrived, expected, 0)
+            elif kind == "error":
+                raise fail(ticket, FailureReason(response.error.reason), response.error.message)
+            elif kind == "done":
+                if current is not None:
+                    raise fail(ticket, FailureReason.INTERNAL, "done mid-segment")
+                followed.ended()
+                return
+        raise fail(ticket, FailureReason.DROPPED, "follow stream ended without done")
 
     def keepalive(self, ticket: ExportTicket, timeout_s: float = 5.0) -> bool:
         try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 from engine.kv_cache import KVCachePool
 from kv_transfer.base import ExportTicket, FailureReason, KVTransferError
@@ -17,6 +18,7 @@ from kv_transfer.config import TransportOptions
 from kv_transfer.endpoints import LocalEndpoint
 from kv_transfer.faults import DropTransfer, FaultPlan
 from kv_transfer.integrity import BlockVerifier
+from kv_transfer.push import ExportGone, FollowedSegments
 from kv_transfer.receiver import TransportReceiver, fail, remaining
 from kv_transfer.sender import RegistrySender
 from kv_transfer.shaping import Shaper
@@ -96,6 +98,36 @@ class LocalReceiver(TransportReceiver):
             raise
         finally:
             sender.registry.end_transfer(ticket.request_id, total_bytes(pieces), failure)
+        return "local"
+
+    def _follow(self, followed: FollowedSegments, timeout_s: float) -> str:
+        ticket = followed.ticket
+        sender = self._sender(ticket)
+        shaper = Shaper(self.options.bandwidth_bytes_per_s, self.options.added_latency_s)
+        chunk = shaper.piece_bytes(self.options.chunk_bytes)
+        block_nbytes = self.pool.layout.block_nbytes
+        src_flat, dst_flat = flat_bytes(sender.pool.kv), flat_bytes(self.pool.kv)
+        try:
+            for note in sender.pushed(ticket.request_id, followed.first_block):
+                deadline = time.monotonic() + timeout_s
+                remaining(deadline, ticket)
+                if note is None:
+                    continue
+                segment, dst, verifier, arrived = followed.open(note)
+                pieces = plan_pieces(segment.block_ids, dst, block_nbytes, chunk)
+
+                def step(piece, deadline=deadline) -> bool:
+                    remaining(deadline, ticket)
+                    shaper.pace(piece.nbytes)
+                    return False
+
+                shaper.start()
+                copy_pieces(src_flat, dst_flat, pieces, step, verifier)
+                shaper.finish()
+                followed.landed(segment, verifier, arrived)
+        except ExportGone:
+            raise fail(ticket, FailureReason.UNKNOWN_REQUEST, "export is gone") from None
+        followed.ended()
         return "local"
 
     def keepalive(self, ticket: ExportTicket, timeout_s: float = 5.0) -> bool:

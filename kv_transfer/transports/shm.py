@@ -61,10 +61,20 @@ from kv_transfer.control import (
     responsive,
     send_message,
 )
-from kv_transfer.control_messages import Begin, Heartbeat, Reply, parse_request
+from kv_transfer.control_messages import (
+    WAITING,
+    Begin,
+    Done,
+    Follow,
+    Heartbeat,
+    Reply,
+    SegmentNote,
+    parse_request,
+)
 from kv_transfer.endpoints import HostPort, ShmEndpoint, ShmTable
 from kv_transfer.faults import DropTransfer, FaultPlan
 from kv_transfer.integrity import BlockVerifier
+from kv_transfer.push import ExportGone, FollowedSegments
 from kv_transfer.receiver import TransportReceiver, fail, remaining
 from kv_transfer.sender import RegistrySender
 from kv_transfer.shaping import Shaper
@@ -193,9 +203,22 @@ class ShmServer:
             elif isinstance(request, Heartbeat):
                 alive = self.sender.heartbeat(request.request_id)
                 _reply(conn, Reply(alive, FailureReason.UNKNOWN_REQUEST))
+            elif isinstance(request, Follow):
+                self._follow(conn, request)
             else:
                 _reply(conn, Reply(False, FailureReason.INTERNAL, f"op {request.op}"))
             message = recv_message(conn)
+
+    def _follow(self, conn: socket.socket, request: Follow) -> None:
+        """push: announce each run of the export's blocks as it is exported; the receiver
+        copies them out of the pool file (no bytes on this connection)."""
+        try:
+            for note in self.sender.pushed(request.request_id, request.first_block):
+                send_message(conn, WAITING if note is None else note.to_json())
+        except ExportGone:
+            _reply(conn, Reply(False, FailureReason.UNKNOWN_REQUEST, "export is gone"))
+            return
+        send_message(conn, Done(0).to_json())
 
     def _begin(self, conn: socket.socket, request_id: str, nbytes: int) -> None:
         plan = FaultPlan(self.faults, 1, request_id)
@@ -500,6 +523,52 @@ class ShmReceiver(TransportReceiver):
                 tick_s=beat_every if beat is not None else 1.0,
             )
         shaper.finish()
+
+    def _follow(self, followed: FollowedSegments, timeout_s: float) -> str:
+        ticket = followed.ticket
+        if ticket.sender_endpoint.shm is None:
+            raise fail(ticket, FailureReason.INTERNAL, "sender does not serve shm")
+        src = self._mapped(ticket)
+        conn = self._checkout(ticket, time.monotonic() + timeout_s)
+        try:
+            self._send(conn, ticket, Follow(ticket.request_id, followed.first_block, []))
+            while True:
+                message = self._next_note(conn, ticket, timeout_s)
+                if message is None:
+                    break  # done: the export is complete
+                segment, dst, verifier, arrived = followed.open(message)
+                deadline = time.monotonic() + timeout_s
+                self._copy(segment, src, dst, deadline, verifier, beat=None)
+                followed.landed(segment, verifier, arrived)
+        except BaseException:
+            conn.close()
+            raise
+        conn.accepted = True
+        self._checkin(ticket, conn)
+        followed.ended()
+        return "shm"
+
+    def _next_note(self, conn: ControlConnection, ticket, timeout_s: float) -> SegmentNote | None:
+        """The next segment of a standing transfer (None: it ended), through its sender's
+        `Waiting` notes (each gives the sender `timeout_s` more), failing at once on a
+        cancel or a refusal."""
+        while True:
+            deadline = time.monotonic() + timeout_s
+            try:
+                message = conn.recv(remaining(deadline, ticket))
+            except TimeoutError:
+                raise fail(ticket, FailureReason.TIMEOUT, "sender silent on follow") from None
+            except (ChannelClosed, OSError) as exc:
+                raise self._lost(ticket, "follow", exc) from None
+            remaining(deadline, ticket)  # cancelled meanwhile?
+            note = SegmentNote.from_json(message)
+            if note is not None:
+                return note
+            if Done.from_json(message) is not None:
+                return None
+            if not message.get("waiting"):
+                reply = Reply.from_json(message)
+                raise fail(ticket, reply.failure, f"sender refused follow: {message}")
 
     def keepalive(self, ticket: ExportTicket, timeout_s: float = 5.0) -> bool:
         deadline = time.monotonic() + timeout_s
