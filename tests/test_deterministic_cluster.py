@@ -87,7 +87,7 @@ def test_seeded_streams_are_the_same_in_any_batch_and_after_a_decode_worker_dies
     # Steps slow enough that the kill finds the streams mid-way (inherited by the workers).
     monkeypatch.setenv("PDSERVE_STEP_DELAY_S", "0.03")
     config = tiny_cluster_config(
-        tiny_llama_dir, deterministic=True, prefill_workers=1, decode_workers=2
+        tiny_llama_dir, deterministic=True, prefill={"workers": 1}, decode={"workers": 2}
     )
 
     async def main():

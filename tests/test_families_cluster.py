@@ -1,10 +1,13 @@
-"""Each new family through a real cluster (Ray actors on loopback), colocated and
-disaggregated, the three transports shared out among the families: greedy outputs
-equal transformers' (prompts past the window and a prefill chunk), a repeated prefix
-is served from the prefix cache, logprobs equal transformers', seeded sampled choices
-under a grammar (what the frontend's `n` sends: seed, seed + 1, ...) equal one
-engine's, a decode worker killed mid-stream loses nothing, and no block or lease
-is left behind.
+"""Each new family through a cluster, disaggregated, the three transports shared out
+among the families: greedy outputs equal transformers' (prompts past the window and a
+prefill chunk), a repeated prefix is served from the prefix cache, logprobs equal
+transformers', seeded sampled choices under a grammar (what the frontend's `n` sends:
+seed, seed + 1, ...) equal one engine's, and no block or lease is left behind.
+
+The disaggregated runs use the in-process cluster (tests/inprocess_cluster.py: the real
+workers, transports and request flow, without Ray's start), where what differs between
+families lives; one family runs colocated and two have a decode worker killed
+mid-stream on a real Ray cluster, whose paths are the same code for every family.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from cluster.flow.cluster import PDCluster
 from engine.sampling_params import SamplingParams, StructuredSpec
 from tests.cluster_helpers import assert_cluster_leak_free, collect, tiny_cluster_config
 from tests.factories import NEW_FAMILIES, _hf_model, hf_greedy, make_engine
+from tests.inprocess_cluster import InProcessCluster
 
 pytestmark = pytest.mark.slow
 
@@ -63,35 +67,68 @@ def _choice(index: int) -> SamplingParams:
     return dataclasses.replace(SAMPLED, seed=SAMPLED.seed + index)
 
 
-COLOCATED_TOO = ("mistral_window", "mixtral")
-"""Families also run colocated: a window freeing blocks, and experts; every family runs
-disaggregated, and equals transformers there (so also colocated's answer)."""
-THROUGH = [(f, "disaggregated") for f in NEW_FAMILIES] + [(f, "colocated") for f in COLOCATED_TOO]
 KILLED = ("mistral_window", "qwen3_moe")
 """Families whose decode worker is killed mid-stream: one that has freed blocks by then
 (window), one with experts; the recovery path is the same code for every family."""
 
 
-@pytest.mark.parametrize("family,mode", THROUGH)
-def test_each_family_through_the_cluster(family_model_dirs, family, mode):
+class InProcessRun:
+    """`collect` and `generate` of the in-process cluster in PDCluster's shapes."""
+
+    def __init__(self, cluster: InProcessCluster):
+        self.cluster = cluster
+
+    async def generate(self, prompt, params):
+        req = self.cluster.open_request(prompt, params)
+        async for chunk in self.cluster.run(req):
+            yield chunk
+        chunk.timings = req.timeline.breakdown()
+
+
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_each_family_disaggregated(family_model_dirs, family):
     model_dir = family_model_dirs[family]
-    transport = "local" if mode == "colocated" else TRANSPORT[family]
-    config = tiny_cluster_config(model_dir, mode=mode, transport={"name": transport})
+    config = tiny_cluster_config(model_dir, transport={"name": TRANSPORT[family]})
+
+    async def scenario():
+        cluster = InProcessCluster(config)
+        try:
+            results = await _serve_each_kind(InProcessRun(cluster))
+            await cluster.assert_leak_free()
+            return results
+        finally:
+            await cluster.shutdown()
+
+    _assert_each_kind(model_dir, asyncio.run(scenario()))
+
+
+def test_experts_colocated_on_a_ray_cluster(family_model_dirs):
+    model_dir = family_model_dirs["mixtral"]
+    config = tiny_cluster_config(model_dir, mode="colocated", transport={"name": "local"})
 
     async def scenario():
         async with PDCluster(config) as cluster:
-            greedy = await asyncio.gather(*(collect(cluster, p, GREEDY) for p in PROMPTS))
-            first, _ = await collect(cluster, [*PREFIX, 3], GREEDY)
-            second, repeated = await collect(cluster, [*PREFIX, 4, 5], GREEDY)
-            logprobs = [c async for c in cluster.generate(PROMPTS[3], LOGPROBS)]
-            choices = await asyncio.gather(
-                *(collect(cluster, PROMPTS[1], _choice(i)) for i in range(CHOICES))
-            )
+            results = await _serve_each_kind(cluster)
             await assert_cluster_leak_free(cluster)
-            return greedy, (first, second, repeated.timings), logprobs, choices
+            return results
 
-    greedy, (first, second, timings), logprobs, choices = asyncio.run(scenario())
+    _assert_each_kind(model_dir, asyncio.run(scenario()))
 
+
+async def _serve_each_kind(cluster):
+    """Greedy prompts at once, a repeated prefix, logprobs, seeded choices."""
+    greedy = await asyncio.gather(*(collect(cluster, p, GREEDY) for p in PROMPTS))
+    first, _ = await collect(cluster, [*PREFIX, 3], GREEDY)
+    second, repeated = await collect(cluster, [*PREFIX, 4, 5], GREEDY)
+    logprobs = [c async for c in cluster.generate(PROMPTS[3], LOGPROBS)]
+    choices = await asyncio.gather(
+        *(collect(cluster, PROMPTS[1], _choice(i)) for i in range(CHOICES))
+    )
+    return greedy, (first, second, repeated.timings), logprobs, choices
+
+
+def _assert_each_kind(model_dir, results) -> None:
+    greedy, (first, second, timings), logprobs, choices = results
     assert [out for out, _ in greedy] == [hf_greedy(model_dir, p, 12)[0] for p in PROMPTS]
     assert first == hf_greedy(model_dir, [*PREFIX, 3], 12)[0]
     assert second == hf_greedy(model_dir, [*PREFIX, 4, 5], 12)[0]
