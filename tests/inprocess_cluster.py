@@ -119,6 +119,10 @@ class InProcessCluster:
             tokens += chunk.token_ids
         return tokens, req
 
+    def chunks_view(self) -> ChunksView:
+        """This cluster with PDCluster's `generate` (for tests/cluster_helpers.collect)."""
+        return ChunksView(self)
+
     async def debug_states(self) -> dict[str, dict]:
         return {
             "prefill-0": await self.prefill.debug_state(),
@@ -149,3 +153,19 @@ class InProcessCluster:
         self.flow.streams.close()
         for worker in (self.prefill, self.decode):
             await worker.shutdown()
+
+
+class ChunksView:
+    """`generate(prompt, params)` as PDCluster has it: the chunks as they come, the last
+    one carrying the request's timings."""
+
+    def __init__(self, cluster: InProcessCluster):
+        self.cluster = cluster
+
+    async def generate(self, prompt: list[int], params: SamplingParams):
+        req = self.cluster.open_request(prompt, params)
+        chunk = None
+        async for chunk in self.cluster.run(req):
+            yield chunk
+        if chunk is not None:
+            chunk.timings = req.timeline.breakdown()

@@ -23,6 +23,7 @@ from tests.cluster_helpers import (
     tiny_cluster_config,
 )
 from tests.factories import make_engine
+from tests.inprocess_cluster import InProcessCluster
 
 pytestmark = pytest.mark.slow
 
@@ -40,15 +41,7 @@ def ray_session():
         ray.shutdown()
 
 
-@pytest.mark.parametrize(
-    "mode,transport",
-    [
-        ("colocated", "local"),
-        ("disaggregated", "shm"),
-        ("disaggregated", "collective"),
-        ("disaggregated", "grpc"),
-    ],
-)
+@pytest.mark.parametrize("mode,transport", [("colocated", "local"), ("disaggregated", "shm")])
 def test_16_concurrent_greedy_requests_match_transformers(
     tiny_llama_dir, reference, mode, transport
 ):
@@ -63,28 +56,42 @@ def test_16_concurrent_greedy_requests_match_transformers(
     assert run_cluster(config, scenario) == expected
 
 
+@pytest.mark.parametrize("transport", ["collective", "grpc"])
+def test_16_concurrent_greedy_requests_over_each_transport_in_process(
+    tiny_llama_dir, reference, transport
+):
+    """The other transports between the real workers without Ray (tests/inprocess_cluster.py):
+    what Ray adds is the same for every transport."""
+    prompts, expected = reference
+    config = tiny_cluster_config(tiny_llama_dir, transport={"name": transport})
+    assert asyncio.run(_in_process(config, prompts)) == expected
+
+
 @pytest.mark.skipif(native_kernels() is None, reason="a bf16 pool under float32 needs the kernels")
-@pytest.mark.parametrize(
-    "mode,transport", [("colocated", "local"), ("disaggregated", "shm"), ("disaggregated", "grpc")]
-)
-def test_a_bf16_kv_pool_crosses_each_transport_unchanged(tiny_llama_dir, mode, transport):
+@pytest.mark.parametrize("transport", ["shm", "grpc"])
+def test_a_bf16_kv_pool_crosses_each_transport_unchanged(tiny_llama_dir, transport):
     """bf16 blocks (half a float32 block's bytes) move between workers and decode to what
     one engine over the same kind of pool makes, token for token."""
     prompts = mixed_prompts(6)
     config = tiny_cluster_config(
-        tiny_llama_dir, mode=mode, transport={"name": transport}, kv_cache_dtype="bfloat16"
+        tiny_llama_dir, transport={"name": transport}, kv_cache_dtype="bfloat16"
     )
     engine = make_engine(
         tiny_llama_dir, kv_cache_dtype="bfloat16", prefill_chunk_size=16, max_batch_tokens=64
     )
     expected = [seq.output_token_ids for seq in engine.generate(prompts, GREEDY)]
+    assert asyncio.run(_in_process(config, prompts)) == expected
 
-    async def scenario(cluster):
-        outputs = await generate_all(cluster, prompts)
-        await assert_cluster_leak_free(cluster)
+
+async def _in_process(config, prompts) -> list[list[int]]:
+    """`prompts` at once through an in-process cluster of `config`, checked leak-free."""
+    cluster = InProcessCluster(config)
+    try:
+        outputs = await generate_all(cluster.chunks_view(), prompts)
+        await cluster.assert_leak_free()
         return outputs
-
-    assert run_cluster(config, scenario) == expected
+    finally:
+        await cluster.shutdown()
 
 
 def test_more_requests_than_the_decode_pool_holds_all_complete(tiny_llama_dir, reference):

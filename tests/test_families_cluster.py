@@ -72,19 +72,6 @@ KILLED = ("mistral_window", "qwen3_moe")
 (window), one with experts; the recovery path is the same code for every family."""
 
 
-class InProcessRun:
-    """`collect` and `generate` of the in-process cluster in PDCluster's shapes."""
-
-    def __init__(self, cluster: InProcessCluster):
-        self.cluster = cluster
-
-    async def generate(self, prompt, params):
-        req = self.cluster.open_request(prompt, params)
-        async for chunk in self.cluster.run(req):
-            yield chunk
-        chunk.timings = req.timeline.breakdown()
-
-
 @pytest.mark.parametrize("family", NEW_FAMILIES)
 def test_each_family_disaggregated(family_model_dirs, family):
     model_dir = family_model_dirs[family]
@@ -93,7 +80,7 @@ def test_each_family_disaggregated(family_model_dirs, family):
     async def scenario():
         cluster = InProcessCluster(config)
         try:
-            results = await _serve_each_kind(InProcessRun(cluster))
+            results = await _serve_each_kind(cluster.chunks_view())
             await cluster.assert_leak_free()
             return results
         finally:
