@@ -293,6 +293,13 @@ def test_https_with_a_certificate(tiny_llama_dir, tmp_path):
             context.wrap_socket(raw, server_hostname="127.0.0.1") as tls,
         ):
             assert tls.version() in ("TLSv1.2", "TLSv1.3")
+        idle = requests.Session()  # a kept-alive TLS connection left open, as clients do
+        assert idle.get(f"{process.url}/health", verify=str(ca), timeout=10).ok
+        stopping = time.monotonic()
     finally:
         leftovers = process.stop()
+    # Well inside uvicorn's 30 s grace: an idle connection is dropped, not waited on for
+    # its TLS close_notify (asyncio's 30 s ssl_shutdown_timeout).
+    assert time.monotonic() - stopping < 15
     assert not leftovers
+    idle.close()

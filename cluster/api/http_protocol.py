@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from cluster.api.openai_protocol import ApiError
@@ -86,7 +87,27 @@ class _BoundedH11Protocol(H11Protocol):
     def _head_too_slow(self) -> None:
         self._header_deadline = None
         if not self.transport.is_closing():
-            self.transport.close()
+            _drop(self.transport)
+
+    def shutdown(self) -> None:
+        """Called by uvicorn on a graceful shutdown: an idle connection is dropped at
+        once, one with a response under way closes after it, as uvicorn does."""
+        if self.cycle is None or self.cycle.response_complete:
+            self.conn.send(h11.ConnectionClosed())
+            _drop(self.transport)
+        else:
+            self.cycle.keep_alive = False
+
+
+def _drop(transport) -> None:
+    """Close an idle connection without waiting on its client. A TLS transport's
+    `close()` waits for the client's close_notify (asyncio's ssl_shutdown_timeout, 30 s),
+    and the connection holds its slot and the server's shutdown that long; with nothing
+    left to send, an abort ends it now."""
+    if transport.get_write_buffer_size() == 0:
+        transport.abort()
+    else:
+        transport.close()
 
 
 _BUSY_RESPONSE = _busy_response()
