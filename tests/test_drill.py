@@ -89,8 +89,8 @@ def test_drill_kills_workers_and_reports_no_loss(tiny_llama_dir, tmp_path):
     assert not leftovers
 
 
-def test_a_short_soak_with_three_kills_loses_nothing(tiny_llama_dir, tmp_path):
-    """The CI-sized soak: a minute of steady load, a kill of either role every 15 s."""
+def test_a_short_soak_with_four_kills_loses_nothing(tiny_llama_dir, tmp_path):
+    """The CI-sized soak: a minute of steady load, a kill of either role every 12 s."""
     server = ServerProcess(
         [
             "--model", str(tiny_llama_dir), "--dtype", "float32", "--transport", "shm",
@@ -103,7 +103,7 @@ def test_a_short_soak_with_three_kills_loses_nothing(tiny_llama_dir, tmp_path):
         result = subprocess.run(
             [
                 sys.executable, "-m", "cluster.cli", "drill", "--url", server.url,
-                "--kill", "random", "--duration", "60s", "--every", "15", "--rate", "4",
+                "--kill", "random", "--duration", "60s", "--every", "12", "--rate", "4",
                 "--concurrency", "8", "--max-tokens", "48", "--cold-cache",
                 "--json", str(report_path), "--plot", str(plot_path),
             ],
@@ -114,7 +114,7 @@ def test_a_short_soak_with_three_kills_loses_nothing(tiny_llama_dir, tmp_path):
     wrong = json.loads(report_path.read_text())["wrong_requests"] if report_path.exists() else []
     assert result.returncode == 0, f"{result.stdout}{result.stderr}{wrong}{server.output()}"
     report = json.loads(report_path.read_text())
-    assert report["kills_planned"] == report["kills_hit"] == 3
+    assert report["kills_planned"] == report["kills_hit"] == 4
     assert report["failed"] == report["duplicated_text"] == report["missing_text"] == 0
     assert report["requests"] == report["exact"] > 200
     soak = report["soak"]

@@ -20,6 +20,7 @@ from cluster.flow.disaggregation import Disaggregation, PathChoice
 from engine.sampling_params import SamplingParams
 from tests.cluster_helpers import assert_cluster_leak_free, reference_outputs, tiny_cluster_config
 from tests.factories import make_engine
+from tests.inprocess_cluster import InProcessCluster
 
 pytestmark = pytest.mark.slow
 
@@ -267,6 +268,9 @@ def test_kill_the_only_prefill_worker_decode_side_prefill_takes_over(tiny_llama_
     [({"mode": "stall", "stall_s": 5.0}, "timeout"), ({"mode": "corrupt"}, "checksum")],
 )
 def test_broken_transfers_are_recomputed(tiny_llama_dir, expected, expected_text, fault, reason):
+    """Transfers broken inside the transport, between the real workers in this process
+    (tests/inprocess_cluster.py): the recovery is the request flow's, whatever process
+    the workers live in."""
     config = tiny_cluster_config(
         tiny_llama_dir,
         transport={
@@ -276,9 +280,22 @@ def test_broken_transfers_are_recomputed(tiny_llama_dir, expected, expected_text
         },
     )
 
-    async def nothing():
-        return None
+    async def main():
+        cluster = InProcessCluster(config)
+        try:
+            results = await run_with_strike(cluster.chunks_view(), _nothing)
+            await cluster.assert_leak_free(wait_s=15)
+            return results
+        finally:
+            await cluster.shutdown()
 
-    timings = scenario(config, lambda c: nothing(), expected, expected_text)
+    results = asyncio.run(main())
+    assert [tokens for tokens, _ in results] == expected
+    assert [timings["text"] for _, timings in results] == [expected_text[tuple(p)] for p in PROMPTS]
+    timings = [timings for _, timings in results]
     assert all(t["recomputed"] and "transfer_failed" in t["recoveries"] for t in timings)
     assert {t["transfer_failure"] for t in timings} == {reason}
+
+
+async def _nothing() -> None:
+    return None
