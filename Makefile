@@ -59,6 +59,11 @@ format: setup
 test: lint tools
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# The soaks: minutes of steady load with workers killed every few seconds, judged on
+# lost requests, throughput coming back and flat memory (kept out of `make test`).
+test-soak: setup
+	$(BIN)/python -m pytest -m soak $(PYTEST_ARGS)
+
 # The GPU check, under 8 minutes on one H100 (bench/gpu_check.py): the CUDA tests
 # (tests/test_gpu.py, also part of `make test`, where they skip without a GPU), the model
 # served at c=1 and c=16, the batch-1 decode step against the HBM roofline, and Triton

@@ -89,6 +89,7 @@ def test_drill_kills_workers_and_reports_no_loss(tiny_llama_dir, tmp_path):
     assert not leftovers
 
 
+@pytest.mark.soak
 def test_a_short_soak_with_four_kills_loses_nothing(tiny_llama_dir, tmp_path):
     """The CI-sized soak: a minute of steady load, a kill of either role every 12 s."""
     server = ServerProcess(

@@ -146,7 +146,7 @@ async def back_at_strength(cluster, timeout_s: float = 60.0) -> None:
         await asyncio.sleep(0.1)
 
 
-@pytest.mark.parametrize("transport", ["shm", "collective", "grpc"])
+@pytest.mark.parametrize("transport", ["shm", "collective"])
 def test_kills_that_hit_lose_nothing(tiny_llama_dir, steady_expected, transport, monkeypatch):
     """A decode worker, then a prefill worker, each killed while every worker holds a
     request; each time every stream ends with exactly the reference tokens. Over shm the
