@@ -17,6 +17,9 @@ from bench.server_process import ServerProcess
 pytestmark = pytest.mark.slow
 
 API_KEY = "fuzz-key"
+REACHED = {"/v1/completions", "/v1/chat/completions", "/tokenize"}
+"""Routes the fuzzer must get through to a 200 at least once: its cases reach the
+generation code, not only the validation in front of it."""
 
 
 @pytest.fixture(scope="module")
@@ -51,13 +54,19 @@ def test_no_input_gets_a_5xx_and_every_error_is_openai_shaped(server):
     schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
     authorized = {"Authorization": f"Bearer {API_KEY}"}
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert {"/v1/completions", "/v1/chat/completions", "/tokenize"} <= {
-        op.path for op in operations
-    }
+    assert {op.path for op in operations} >= REACHED
     for operation in operations:
+        # The generation routes get more cases: most random bodies are refused (empty
+        # prompts, ids outside the vocabulary, top_p out of range), and some must pass.
+        examples = 100 if operation.path in REACHED else 25
 
         @given(case=operation.as_strategy())
-        @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=examples,
+            deadline=None,
+            derandomize=True,  # the same cases on every machine: a pass is not luck
+            suppress_health_check=list(HealthCheck),
+        )
         def fuzz(case) -> None:
             case.call_and_validate(
                 headers=authorized, checks=[not_a_server_error, openai_error_body], timeout=60
@@ -66,4 +75,4 @@ def test_no_input_gets_a_5xx_and_every_error_is_openai_shaped(server):
         fuzz()
     print(sorted(SEEN.items()))
     reached = {path for (path, status), _ in SEEN.items() if status == 200}
-    assert {"/v1/completions", "/v1/chat/completions", "/tokenize"} <= reached, SEEN
+    assert reached >= REACHED, SEEN

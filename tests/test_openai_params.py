@@ -97,6 +97,7 @@ def test_chat_logprobs_and_structured_outputs():
         ("completion", completion(max_tokens=0), "max_tokens"),
         ("chat", chat(guided_regex="(open"), "guided_regex"),
         ("chat", chat(guided_json={"type": "object"}, guided_regex="a"), "guided_regex"),
+        ("chat", chat(guided_json=""), "guided_json"),  # found by the API fuzzer: was a 500
         ("chat", chat(tool_choice="required"), "tool_choice"),
         (
             "chat",

@@ -280,7 +280,8 @@ def _asked_structures(parsed) -> list[tuple[str, StructuredSpec | None]]:
     if choice is not None and not choice:
         raise ApiError(400, "guided_choice must list at least one choice", param="guided_choice")
     grammar = parsed.guided_grammar or (guided and guided.grammar)
-    asked.append(("guided_json", _schema_spec(json_value) if json_value is not None else None))
+    schema = _schema_spec(json_value, "guided_json") if json_value is not None else None
+    asked.append(("guided_json", schema))
     asked.append(("guided_regex", StructuredSpec("regex", regex) if regex else None))
     asked.append(
         ("guided_choice", StructuredSpec("choice", json.dumps(choice)) if choice else None)
@@ -298,9 +299,11 @@ def _format_spec(fmt) -> StructuredSpec | None:
         raise ApiError(
             400, "response_format json_schema needs json_schema.schema", "response_format"
         )
-    return _schema_spec(fmt.json_schema.schema_)
+    return _schema_spec(fmt.json_schema.schema_, "response_format")
 
 
-def _schema_spec(schema) -> StructuredSpec:
+def _schema_spec(schema, param: str) -> StructuredSpec:
     text = schema if isinstance(schema, str) else json.dumps(schema)
+    if not text.strip():
+        raise ApiError(400, f"{param} must hold a JSON schema, got an empty string", param)
     return StructuredSpec("json_schema", text)
