@@ -54,7 +54,7 @@ def plot_measured(rows: list[dict], path: str) -> None:
                     label=label,
                 )
         ax.set_xscale("log")
-        ax.set_yscale("log")
+        _log_ms_axis(ax)
         ticks = sorted(set(xs.values()))
         ax.set_xticks(ticks, [_tick(x, xs) for x in ticks], rotation=30, fontsize=8)
         ax.minorticks_off()
@@ -123,7 +123,7 @@ def plot_gpu_projection(prompts: list[int], path: str) -> None:
         tp = GPU_MODELS[name][1]
         ax.set_title(f"{name}, {tp}x H100 (TP {tp}), bf16")
         ax.set_xscale("log")
-        ax.set_yscale("log")
+        _log_ms_axis(ax)
         ax.set_xticks([25, 100, 400], ["25", "100", "400"])
         ax.minorticks_off()
         ax.set_xlabel("KV link per GPU (Gb/s)")
@@ -131,9 +131,22 @@ def plot_gpu_projection(prompts: list[int], path: str) -> None:
     axes[0][0].set_ylabel("prefill + KV transfer (ms)")
     axes[0][-1].legend(fontsize=7)
     fig.suptitle(
-        f"MODEL, NOT A MEASUREMENT: roofline prefill at {MFU:.0%} of peak, {GPU_CHUNK}-token "
+        f"MODEL, NOT A MEASUREMENT: roofline prefill at {MFU:.0%} of peak, {GPU_CHUNK}-token\n"
         "chunks, KV bytes from kv-calc over the link; fixed overheads left out"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _log_ms_axis(ax) -> None:
+    """A log y axis labelled in plain milliseconds (a range under a decade would
+    otherwise show no label at all)."""
+    from matplotlib.ticker import LogLocator, ScalarFormatter
+
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_minor_locator(LogLocator(base=10, subs=(1.5, 3.0, 4.0, 7.0)))
+    formatter = ScalarFormatter()
+    formatter.set_scientific(False)
+    ax.yaxis.set_major_formatter(formatter)
