@@ -65,10 +65,17 @@ def reference_outputs(model_dir, prompts, max_tokens: int = 12) -> list[list[int
 
 async def assert_cluster_leak_free(cluster: PDCluster, wait_s: float = 5.0) -> None:
     """Every live worker: no KV block in use, no lease outstanding, no sequence and no
-    streamed export or import left. Acks travel asynchronously: they get a moment to land."""
+    streamed export or import left."""
+    await wait_until_leak_free(cluster.controller.debug_states, wait_s)
+
+
+async def wait_until_leak_free(debug_states, wait_s: float) -> None:
+    """Polls `debug_states()` (worker id -> state) until no worker holds a KV block, a
+    lease, a sequence or a stream; acks travel asynchronously, so they get `wait_s` to
+    land before the leak is an AssertionError."""
     deadline = time.monotonic() + wait_s
     while True:
-        states = await cluster.controller.debug_states()
+        states = await debug_states()
         leaked = {
             worker: state
             for worker, state in states.items()
@@ -80,8 +87,8 @@ async def assert_cluster_leak_free(cluster: PDCluster, wait_s: float = 5.0) -> N
         if not leaked:
             return
         if time.monotonic() > deadline:
-            raise AssertionError(f"KV blocks or leases leaked: {leaked}")
-        await asyncio.sleep(0.1)
+            raise AssertionError(f"KV blocks, leases or streams leaked: {leaked}")
+        await asyncio.sleep(0.05)
 
 
 def assert_gcs_refuses_strangers(address: str, home) -> None:

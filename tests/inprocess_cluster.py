@@ -20,9 +20,10 @@ from cluster.timeline import RequestTimeline
 from decode_worker.worker import DecodeWorker
 from engine.sampling_params import SamplingParams
 from prefill_worker.worker import PrefillWorker
+from tests.cluster_helpers import wait_until_leak_free
 
 
-class _Method:
+class LocalMethod:
     """`handle.method.remote(*args)` / `.options(...)`: the call runs on this event loop;
     a coroutine comes back as a future, an async generator as a stream of futures."""
 
@@ -35,7 +36,7 @@ class _Method:
     def remote(self, *args):
         result = self.fn(*args)
         if hasattr(result, "__aiter__"):
-            return _Stream(result)
+            return LocalStream(result)
         if asyncio.iscoroutine(result):
             return asyncio.ensure_future(result)
         future = asyncio.get_running_loop().create_future()
@@ -43,7 +44,7 @@ class _Method:
         return future
 
 
-class _Stream:
+class LocalStream:
     def __init__(self, agen):
         self.agen = agen
 
@@ -63,8 +64,8 @@ class ActorHandle:
     def __init__(self, actor):
         self.actor = actor
 
-    def __getattr__(self, name: str) -> _Method:
-        return _Method(getattr(self.actor, name))
+    def __getattr__(self, name: str) -> LocalMethod:
+        return LocalMethod(getattr(self.actor, name))
 
 
 class InProcessCluster:
@@ -130,24 +131,8 @@ class InProcessCluster:
         }
 
     async def assert_leak_free(self, wait_s: float = 5.0) -> None:
-        """No KV block in use, no lease, no sequence, no streamed import left on either
-        worker (acks travel asynchronously: they get a moment to land)."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            states = await self.debug_states()
-            leaked = {
-                worker: state
-                for worker, state in states.items()
-                if state.get("used_blocks")
-                or state.get("outstanding_leases")
-                or state.get("sequences")
-                or state.get("streams")
-            }
-            if not leaked:
-                return
-            if time.monotonic() > deadline:
-                raise AssertionError(f"KV blocks, leases or streams leaked: {leaked}")
-            await asyncio.sleep(0.05)
+        """No KV block, lease, sequence or streamed import left on either worker."""
+        await wait_until_leak_free(self.debug_states, wait_s)
 
     async def shutdown(self) -> None:
         self.flow.streams.close()

@@ -26,6 +26,7 @@ from engine.errors import InvalidRequestError, RequestAbortedError
 from engine.sampling_params import SamplingParams
 from engine.sequence import SequenceStatus
 from tests.factories import assert_no_leaks, make_engine
+from tests.inprocess_cluster import LocalMethod
 from worker.messages import ErrorEvent, ImportEvent, PrefillResult, TokenEvent
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -345,14 +346,14 @@ class FakeWorker:
         self.calls: list[tuple[str, str]] = []
         self.script = script or {}
         self.gate = asyncio.Event()
-        self.prefill = _Method(self._prefill)
-        self.decode = _Method(self._decode)
-        self.subscribe = _Method(self._subscribe)
+        self.prefill = LocalMethod(self._prefill)
+        self.decode = LocalMethod(self._decode)
+        self.subscribe = LocalMethod(self._subscribe)
         self.events: asyncio.Queue = asyncio.Queue()
         self.feeds: list[asyncio.Future] = []
         """The running `_feed` tasks, held so that none is collected mid-request."""
-        self.abort = _Method(lambda rid: self._record("abort", rid))
-        self.ack = _Method(lambda rid: self._record("ack", rid))
+        self.abort = LocalMethod(lambda rid: self._record("abort", rid))
+        self.ack = LocalMethod(lambda rid: self._record("ack", rid))
 
     def _record(self, name: str, rid: str):
         self.calls.append((name, rid))
@@ -382,36 +383,6 @@ class FakeWorker:
             if isinstance(batch, Exception):
                 raise batch
             yield batch
-
-
-class _Method:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def options(self, **_):
-        return self
-
-    def remote(self, *args):
-        result = self.fn(*args)
-        if hasattr(result, "__aiter__"):
-            return _Stream(result)
-        if asyncio.iscoroutine(result):
-            return asyncio.ensure_future(result)
-        return None
-
-
-class _Stream:
-    def __init__(self, agen):
-        self.agen = agen
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        item = await self.agen.__anext__()
-        future = asyncio.get_running_loop().create_future()
-        future.set_result(item)
-        return future
 
 
 def result_of(request, ticket=True) -> PrefillResult:
