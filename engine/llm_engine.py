@@ -181,21 +181,9 @@ class LLMEngine:
     def _load_model(
         self, kernels: KernelChoice = "auto", attention: AttentionChoice | None = None
     ) -> LlamaForward:
-        # One thread: the stepping thread may be another one (engine.threads.single_threaded).
-        with single_threaded():
-            return LlamaForward(
-                self.model_dir,
-                self.spec,
-                self.config.torch_dtype,
-                self.config.device,
-                max_positions=self.max_model_len,
-                attention=attention,
-                kernels=kernels,
-                kv_dtype=self.config.kv_torch_dtype,
-                block_size=self.config.block_size,
-                deterministic=self.config.deterministic,
-                tp=self.tp,
-            )
+        return load_forward(
+            self.config, self.model_dir, self.spec, self.max_model_len, self.tp, kernels, attention
+        )
 
     def rebuild_model(
         self, kernels: KernelChoice = "auto", attention: AttentionChoice | None = None
@@ -689,6 +677,35 @@ class LLMEngine:
         while self.has_unfinished():
             self.step()
         return seqs
+
+
+def load_forward(
+    config: EngineConfig,
+    model_dir,
+    spec,
+    max_model_len: int,
+    tp: TPGroup,
+    kernels: KernelChoice = "auto",
+    attention: AttentionChoice | None = None,
+) -> LlamaForward:
+    """This rank's forward of `config`'s model: called by `LLMEngine` (rank 0, or the
+    whole model) and by `FollowerEngine` (ranks 1..N-1), so that every rank of a worker
+    builds it with the same settings."""
+    # One thread: the stepping thread may be another one (engine.threads.single_threaded).
+    with single_threaded():
+        return LlamaForward(
+            model_dir,
+            spec,
+            config.torch_dtype,
+            config.device,
+            max_positions=max_model_len,
+            attention=attention,
+            kernels=kernels,
+            kv_dtype=config.kv_torch_dtype,
+            block_size=config.block_size,
+            deterministic=config.deterministic,
+            tp=tp,
+        )
 
 
 def tp_config(config: EngineConfig, tp: TPGroup) -> EngineConfig:

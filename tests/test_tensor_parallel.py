@@ -207,3 +207,14 @@ def test_prompt_logprobs_and_a_mixed_batch_match_one_rank(model_dirs):
         assert (mine.token_id, mine.rank) == (theirs.token_id, theirs.rank)
         assert mine.logprob == pytest.approx(theirs.logprob, abs=1e-4)
         assert [t for t, _ in mine.top] == [t for t, _ in theirs.top]
+
+
+def test_every_rank_runs_the_deterministic_kernels_when_asked(model_dirs):
+    """Rank 0 and its followers build their forward from one function of the config, so
+    `deterministic` reaches every rank (a copy of rank 0's construction in the follower
+    once left it out: rank 1 ran the default kernels)."""
+    model_dir = model_dirs["qwen2"]
+    expected = [hf_greedy(model_dir, prompt_of(n), 10)[0] for n in PROMPT_LENGTHS]
+    with tp_engine(model_dir, deterministic=True) as engine:
+        assert _greedy(engine) == expected
+        assert engine.model.deterministic and engine.followers[1].model.deterministic

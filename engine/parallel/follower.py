@@ -24,9 +24,8 @@ import torch
 from engine.config import EngineConfig
 from engine.demo_model import resolve_model
 from engine.kv_cache import KVCachePool, KVLayout
-from engine.llm_engine import size_pool, tp_config
+from engine.llm_engine import load_forward, size_pool, tp_config
 from engine.memory_profile import DeviceSnapshot
-from engine.model import LlamaForward
 from engine.model_spec import load_model_spec
 from engine.parallel.capacity import check_weights_fit
 from engine.parallel.group import TPGroup
@@ -60,19 +59,15 @@ class FollowerEngine:
             config.gpu_memory_utilization,
         )
         baseline = DeviceSnapshot.take(config.device) if config.sizes_kv_from_device else None
-        with single_threaded():
-            self.model = LlamaForward(
-                self.model_dir,
-                self.spec,
-                config.torch_dtype,
-                config.device,
-                max_positions=self.max_model_len,
-                attention=config.attention_backend,
-                kernels=config.kernels,
-                kv_dtype=config.kv_torch_dtype,
-                block_size=config.block_size,
-                tp=tp,
-            )
+        self.model = load_forward(
+            config,
+            self.model_dir,
+            self.spec,
+            self.max_model_len,
+            tp,
+            config.kernels,
+            config.attention_backend,
+        )
         self.layout = KVLayout.for_model(
             self.spec, self.model.kv_dtype, config.block_size, self.model.shard
         )
