@@ -13,6 +13,7 @@ every field must be in the table. Every source file the docs point at
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 from dataclasses import fields
 from pathlib import Path
@@ -69,6 +70,12 @@ def subcommand(parser: argparse.ArgumentParser, words: list[str]):
     return parser, path
 
 
+@functools.cache
+def pdserve_parser() -> argparse.ArgumentParser:
+    """Built once: every documented command is checked against the same parser."""
+    return build_parser()
+
+
 def accepted_flags(parser: argparse.ArgumentParser) -> set[str]:
     return {opt for action in parser._actions for opt in action.option_strings}
 
@@ -85,15 +92,15 @@ def documented_commands() -> list[tuple[str, str]]:
 @pytest.mark.parametrize(("doc", "command"), documented_commands())
 def test_every_documented_flag_exists(doc, command):
     words = command.split()[1:]
-    parser, path = subcommand(build_parser(), [w for w in words if not w.startswith("-")])
-    top_level = accepted_flags(build_parser())
+    parser, path = subcommand(pdserve_parser(), [w for w in words if not w.startswith("-")])
+    top_level = accepted_flags(pdserve_parser())
     unknown = [
         flag
         for flag in FLAG.findall(command)
         if flag not in accepted_flags(parser) and flag not in top_level
     ]
     assert not unknown, f"{doc}: `pdserve {' '.join(path)}` has no {unknown} ({command})"
-    serve, _ = subcommand(build_parser(), ["serve"])
+    serve, _ = subcommand(pdserve_parser(), ["serve"])
     unserved = [flag for flag in SERVE_FLAG.findall(command) if flag not in accepted_flags(serve)]
     assert not unserved, f"{doc}: `pdserve serve` has no {unserved} ({command})"
 
