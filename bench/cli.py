@@ -91,11 +91,13 @@ def add_bench_parser(sub) -> None:
     from bench.bandwidth_sweep import add_bandwidth_parser
     from bench.compare import add_compare_parser
     from bench.compare_servers import add_compare_servers_parser
+    from bench.family_bench import add_families_parser
     from bench.gpu_check import add_gpu_check_parser
     from bench.results_report import add_report_parser
     from bench.serve_bench import add_serve_bench_parser
     from bench.step_trace import add_steps_parser
     from bench.sweep import add_sweep_parser
+    from bench.tp_bench import add_tp_parser
     from bench.transfer_bench import add_transfer_parser
 
     add_transfer_parser(kinds)
@@ -107,6 +109,8 @@ def add_bench_parser(sub) -> None:
     add_steps_parser(kinds)
     add_bandwidth_parser(kinds)
     add_gpu_check_parser(kinds)
+    add_tp_parser(kinds)
+    add_families_parser(kinds)
 
 
 def _run_engine_bench(args: argparse.Namespace) -> int:

@@ -36,20 +36,29 @@ _DONE = ".pdserve-stand-in"
 def write_stand_in_model(directory: Path, **overrides) -> Path:
     """Write the stand-in into `directory` (once: an existing one is kept) and return it.
     `overrides` change the config (tests make a small one)."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(**{**SMOLLM2_135M, **overrides})
+    return write_random_model(directory, config, "random weights of SmolLM2-135M's shape")
+
+
+def write_random_model(directory: Path, config, what: str) -> Path:
+    """Random bfloat16 weights of the transformers `config` (any architecture it
+    builds), with the word tokenizer of its vocabulary, written into `directory` once
+    (an existing one is kept; `what` is recorded in its marker file). Returns it."""
     directory = Path(directory)
     if (directory / _DONE).is_file():
         return directory
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
-    settings = {**SMOLLM2_135M, **overrides}
     directory.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**settings), dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(directory, safe_serialization=True)
-    _word_tokenizer(settings["vocab_size"]).save_pretrained(directory)
+    _word_tokenizer(config.vocab_size).save_pretrained(directory)
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": 1}))
-    (directory / _DONE).write_text("random weights of SmolLM2-135M's shape\n")
+    (directory / _DONE).write_text(what + "\n")
     return directory
 
 
