@@ -92,6 +92,18 @@ def clock_skew_s() -> float:
     return float(os.environ.get("PDSERVE_CLOCK_SKEW_S", "0") or 0)
 
 
+WORKER_RUN_SETTINGS = ("PDSERVE_STEP_DELAY_S", "PDSERVE_CLOCK_SKEW_S")
+"""The variables above that shape a run (drills, tests) rather than a machine: the
+controller hands the driver's values to every worker it starts."""
+
+
+def worker_run_settings() -> dict[str, str]:
+    """`WORKER_RUN_SETTINGS` set in this process. Read by the controller when it starts a
+    worker actor, for that actor's environment: a worker on a Ray head started earlier,
+    or on another node, inherits nothing from the driver."""
+    return {name: os.environ[name] for name in WORKER_RUN_SETTINGS if name in os.environ}
+
+
 def triton_interpret() -> bool:
     """TRITON_INTERPRET (Triton's own): 1 runs Triton kernels in its CPU interpreter; it
     must be set before triton is imported. The `triton` attention backend needs it on a

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from engine.sampling_params import SamplingParams
 from tests.factories import hf_greedy
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+_CLUSTER_NUMBERS = itertools.count()
 
 
 def tiny_cluster_config(model_dir, **overrides) -> ClusterConfig:
@@ -34,6 +36,9 @@ def tiny_cluster_config(model_dir, **overrides) -> ClusterConfig:
         # the decode worker's core, test_cluster.py took 179 s instead of 124 on 2 cores.
         # Pinning has its own test.
         pin_cores=False,
+        # Its own namespace: clusters of a module that share one Ray head (the
+        # `ray_head` fixture) never meet a previous cluster's actor names.
+        namespace=f"pdserve-test-{next(_CLUSTER_NUMBERS)}",
     )
     return ClusterConfig.from_dict(settings).replace(**overrides)
 

@@ -25,20 +25,13 @@ from tests.cluster_helpers import (
 from tests.factories import make_engine
 from tests.inprocess_cluster import InProcessCluster
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_head")]
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama_dir):
     prompts = mixed_prompts(16)
     return prompts, reference_outputs(tiny_llama_dir, prompts)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_session():
-    yield
-    if ray.is_initialized():
-        ray.shutdown()
 
 
 @pytest.mark.parametrize("mode,transport", [("colocated", "local"), ("disaggregated", "shm")])
@@ -143,44 +136,6 @@ def _thread_cores(pid: int) -> set[tuple[int, ...]]:
     return found
 
 
-@pytest.mark.skipif(
-    not pinning_supported() or len(process_cores()) < 2, reason="needs Linux and two cores"
-)
-def test_each_worker_runs_on_its_own_cores_and_the_driver_gets_its_back(tiny_llama_dir, reference):
-    """1 + 1 workers of one thread: the prefill worker alone on the first core, the decode
-    worker, this driver and Ray's processes (moved there once the workers are up) on the
-    second; a process Ray starts later for a worker boots on that worker's cores; the
-    driver's cores come back at shutdown, and outputs are unchanged."""
-    prompts, expected = reference
-    cores = process_cores()
-    config = tiny_cluster_config(tiny_llama_dir, transport={"name": "shm"}, pin_cores=True)
-
-    async def scenario(cluster):
-        workers = cluster.controller.workers
-        loads = {wid: await w.handle.check_health.remote() for wid, w in workers.items()}
-        tokens, _ = await collect(cluster, prompts[7])
-        during = {wid: _thread_cores(load.pid) for wid, load in loads.items()}
-        reported = {wid: load.cpu_cores for wid, load in loads.items()}
-        workers = {load.pid for load in loads.values()}
-        ray_own = [pid for pid in local_head_pids() if pid not in workers]
-        ray_cores = set().union(*(_thread_cores(pid) for pid in ray_own))
-        booted = await _cores_at_boot.options(
-            runtime_env={"env_vars": {BOOT_CORES_ENV: str(cores[0])}}
-        ).remote()
-        return during, reported, _thread_cores(os.getpid()), ray_cores, len(ray_own), booted, tokens
-
-    during, reported, driver, ray_cores, ray_processes, booted, tokens = run_cluster(
-        config, scenario
-    )
-    assert booted == cores[:1]  # Ray's setup hook: before the task's imports
-    assert during == {"prefill-0": {cores[:1]}, "decode-0": {cores[1:2]}}
-    assert reported == {"prefill-0": cores[:1], "decode-0": cores[1:2]}
-    assert driver == {cores[1:2]}
-    assert ray_processes >= 2 and ray_cores == {cores[1:2]}  # GCS and raylet at least
-    assert process_cores() == cores
-    assert tokens == expected[7]
-
-
 @pytest.mark.parametrize("policy", ["least_loaded"])
 def test_a_burst_spreads_over_both_decode_workers(tiny_llama_dir, reference, policy):
     """Requests routed before any health report still spread: a decode worker counts a
@@ -230,6 +185,46 @@ def test_timing_receipt_adds_up_when_a_worker_clock_is_off(
         assert parts["prefill_s"] < timings["ttft_s"]
 
 
+@pytest.mark.skipif(
+    not pinning_supported() or len(process_cores()) < 2, reason="needs Linux and two cores"
+)
+def test_each_worker_runs_on_its_own_cores_and_the_driver_gets_its_back(
+    tiny_llama_dir, reference, no_ray_head
+):
+    """1 + 1 workers of one thread: the prefill worker alone on the first core, the decode
+    worker, this driver and Ray's processes (moved there once the workers are up) on the
+    second; a process Ray starts later for a worker boots on that worker's cores; the
+    driver's cores come back at shutdown, and outputs are unchanged."""
+    prompts, expected = reference
+    cores = process_cores()
+    config = tiny_cluster_config(tiny_llama_dir, transport={"name": "shm"}, pin_cores=True)
+
+    async def scenario(cluster):
+        workers = cluster.controller.workers
+        loads = {wid: await w.handle.check_health.remote() for wid, w in workers.items()}
+        tokens, _ = await collect(cluster, prompts[7])
+        during = {wid: _thread_cores(load.pid) for wid, load in loads.items()}
+        reported = {wid: load.cpu_cores for wid, load in loads.items()}
+        workers = {load.pid for load in loads.values()}
+        ray_own = [pid for pid in local_head_pids() if pid not in workers]
+        ray_cores = set().union(*(_thread_cores(pid) for pid in ray_own))
+        booted = await _cores_at_boot.options(
+            runtime_env={"env_vars": {BOOT_CORES_ENV: str(cores[0])}}
+        ).remote()
+        return during, reported, _thread_cores(os.getpid()), ray_cores, len(ray_own), booted, tokens
+
+    during, reported, driver, ray_cores, ray_processes, booted, tokens = run_cluster(
+        config, scenario
+    )
+    assert booted == cores[:1]  # Ray's setup hook: before the task's imports
+    assert during == {"prefill-0": {cores[:1]}, "decode-0": {cores[1:2]}}
+    assert reported == {"prefill-0": cores[:1], "decode-0": cores[1:2]}
+    assert driver == {cores[1:2]}
+    assert ray_processes >= 2 and ray_cores == {cores[1:2]}  # GCS and raylet at least
+    assert process_cores() == cores
+    assert tokens == expected[7]
+
+
 def _ray_daemons() -> list[str]:
     """The GCS and raylet processes this test process started and that still run."""
     import psutil
@@ -272,7 +267,7 @@ def _start_with_first_head_stalled(stall_first_start) -> list[dict]:
     return starts
 
 
-def test_a_head_whose_gcs_never_publishes_its_port_is_started_again(monkeypatch):
+def test_a_head_whose_gcs_never_publishes_its_port_is_started_again(monkeypatch, no_ray_head):
     """A local head's GCS that publishes no port (seen once in a few hundred starts on the
     2-core machine) is killed and a new head started. Here the first head's wait is cut
     to nothing, so Ray's own start fails as it did there, halfway, with its GCS up."""
@@ -289,7 +284,7 @@ def test_a_head_whose_gcs_never_publishes_its_port_is_started_again(monkeypatch)
     assert len(_start_with_first_head_stalled(no_wait_for_the_port)) == 2
 
 
-def test_a_head_whose_raylet_never_registers_is_started_again():
+def test_a_head_whose_raylet_never_registers_is_started_again(no_ray_head):
     """A raylet that never registers with its GCS (seen in CI: no log written, still
     unregistered two minutes on) makes Ray's start raise after its fixed 30 s, with the
     GCS and raylet running; those are killed and a new head started. Here the lookup of

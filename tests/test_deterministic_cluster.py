@@ -19,7 +19,7 @@ from cluster.flow.cluster import PDCluster
 from engine.sampling_params import SamplingParams
 from tests.cluster_helpers import assert_cluster_leak_free, tiny_cluster_config
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_head")]
 
 LENGTHS = [5, 13, 30, 47, 70, 96, 140, 21]
 PROMPTS = [[(11 * i + 5 * j) % 290 + 5 for j in range(n)] for i, n in enumerate(LENGTHS)]

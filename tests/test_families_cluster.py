@@ -18,7 +18,6 @@ import os
 import signal
 
 import pytest
-import ray
 import torch
 
 from cluster.flow.cluster import PDCluster
@@ -27,7 +26,7 @@ from tests.cluster_helpers import assert_cluster_leak_free, collect, tiny_cluste
 from tests.factories import NEW_FAMILIES, _hf_model, hf_greedy, make_engine
 from tests.inprocess_cluster import InProcessCluster
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_head")]
 
 TRANSPORT = {
     "qwen3": "shm",
@@ -54,13 +53,6 @@ def tokens(n: int, salt: int) -> list[int]:
 
 PROMPTS = [tokens(n, salt) for salt, n in enumerate((5, 17, 30, 41))]
 PREFIX = tokens(40, salt=9)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_session():
-    yield
-    if ray.is_initialized():
-        ray.shutdown()
 
 
 def _choice(index: int) -> SamplingParams:

@@ -20,7 +20,7 @@ from engine.sampling_params import SamplingParams
 from tests.cluster_helpers import assert_cluster_leak_free, reference_outputs, tiny_cluster_config
 from worker.messages import KVStream
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_head")]
 
 STEP_DELAY_S = 0.05
 BLOCK_BYTES = 2 * 3 * 3 * 16 * 8 * 4

@@ -15,7 +15,7 @@ from engine.sampling_params import SamplingParams, StructuredSpec
 from tests.cluster_helpers import assert_cluster_leak_free, tiny_cluster_config
 from tests.factories import _hf_model, make_engine
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_head")]
 
 TOLERANCE = 1e-4
 

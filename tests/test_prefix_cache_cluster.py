@@ -9,14 +9,13 @@ import asyncio
 import dataclasses
 
 import pytest
-import ray
 
 from cluster.flow.cluster import PDCluster
 from engine.block_manager import blocks_needed
 from tests.cluster_helpers import GREEDY, assert_cluster_leak_free, collect, tiny_cluster_config
 from tests.factories import hf_greedy
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_head")]
 BLOCK = 8
 
 
@@ -25,13 +24,6 @@ def tokens(n: int, salt: int) -> list[int]:
 
 
 PREFIX = tokens(40, salt=1)  # 5 whole blocks
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_session():
-    yield
-    if ray.is_initialized():
-        ray.shutdown()
 
 
 def test_prefix_reuse_end_to_end(tiny_llama_dir):

@@ -22,7 +22,7 @@ from tests.cluster_helpers import assert_cluster_leak_free, reference_outputs, t
 from tests.factories import make_engine
 from tests.inprocess_cluster import InProcessCluster
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_head")]
 
 LONG = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
 PROMPTS = [[(7 * i + 3 * j) % 290 + 5 for j in range(5 + 4 * i)] for i in range(8)]

@@ -33,6 +33,8 @@ from tests.cluster_helpers import (
 )
 from tests.factories import make_engine
 
+pytestmark = pytest.mark.usefixtures("ray_head")
+
 PROMPTS = mixed_prompts(6)
 
 
@@ -179,11 +181,13 @@ def check_kill(model_dir, before: dict, held: dict, results, after: dict) -> Non
 
 
 def test_a_split_the_model_cannot_take_starts_nothing(tp_model_dirs):
-    """Refused at start-up naming both pools: no Ray, no worker, no process."""
+    """Refused at start-up naming both pools: no worker, no process, no actor on the
+    module's Ray head."""
     model_dir = tp_model_dirs["llama_kv2"]  # 8 heads, 2 KV heads
     config = tiny_cluster_config(model_dir, prefill={"tp": 2}, decode={"tp": 3})
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     with pytest.raises(ConfigError, match=r"decode.tp=3 cannot serve .* with prefill.tp=2"):
         PDCluster(config)
-    assert not ray.is_initialized()
+    named = ray.util.list_named_actors(all_namespaces=True)
+    assert not [actor for actor in named if actor["namespace"] == config.namespace]
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before

@@ -42,6 +42,7 @@ from cluster.control.prestarted import PrestartedProcesses
 from cluster.control.ray_access import warn_if_joined_without_token
 from cluster.control.worker_info import WorkerInfo
 from decode_worker.worker import DecodeWorker
+from engine import envs
 from engine.cpu_affinity import BOOT_CORES_ENV, pin_process, process_cores
 from prefill_worker.worker import PrefillWorker
 from worker.spec import WorkerSpec
@@ -161,7 +162,7 @@ class Controller:
         tensor-parallel worker's rank 0) where one is given."""
         threads = str(self.config.worker_threads)
         # Keep BLAS/OpenMP pools at the configured size: workers share the cores.
-        env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+        env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **envs.worker_run_settings()}
         if spec is not None and spec.cpu_cores is not None:
             env[BOOT_CORES_ENV] = ",".join(map(str, spec.cpu_cores))
         options = dict(
