@@ -110,15 +110,17 @@ def test_streamed_tokens_equal_whole_prompt_transfers(tiny_llama_dir, transport)
 def test_a_cancel_mid_stream_stops_both_sides_and_leaks_nothing(
     tiny_llama_dir, monkeypatch, transport, stream
 ):
-    monkeypatch.setenv("PDSERVE_STEP_DELAY_S", "0.05")  # read by the engines at build
-    prompt = [(3 * j) % 290 + 7 for j in range(64)]  # 4 chunks: ~0.2 s of prefill
+    # Read by the engines at build; long enough that a loaded machine still sees the
+    # stream between its first segment and its last.
+    monkeypatch.setenv("PDSERVE_STEP_DELAY_S", "0.2")
+    prompt = [(3 * j) % 290 + 7 for j in range(64)]  # 4 chunks: ~0.8 s of prefill
 
     async def main():
         cluster = InProcessCluster(config_of(tiny_llama_dir, transport))
         cluster.flow.delivery.kv_stream = stream
         try:
             task = asyncio.ensure_future(cluster.generate(prompt, GREEDY))
-            imported = await _first_segment_landed(cluster)
+            imported = await _first_segment_landed(cluster, task)
             prefilling = (await cluster.prefill.debug_state())["requests"]
             landed, total = imported.landed, blocks_needed(len(prompt), BLOCK)
             task.cancel()
@@ -135,13 +137,17 @@ def test_a_cancel_mid_stream_stops_both_sides_and_leaks_nothing(
     assert list(prefilling.values()) == ["running+blocks"]
 
 
-async def _first_segment_landed(cluster: InProcessCluster, timeout_s: float = 20.0):
+async def _first_segment_landed(cluster: InProcessCluster, request, timeout_s: float = 20.0):
+    """The decode side's import once its first streamed segment landed, while `request`
+    (the generate task) still runs."""
+
     async def landed():
-        while True:
+        while not request.done():
             for imported in list(cluster.decode.streamed.values()):
                 if imported.landed > 0:
                     return imported
             await asyncio.sleep(0.002)
+        raise AssertionError("the request ended before a landed segment was seen")
 
     return await asyncio.wait_for(landed(), timeout_s)
 
