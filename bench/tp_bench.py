@@ -16,6 +16,11 @@ is an `LLMEngine`, the others `FollowerEngine`s running its steps. Rank 0 times
 The configurations alternate (`--rounds` of tp=1, tp=N), so a drift of this shared
 machine lands on both; every figure printed is the median over rounds.
 
+With `--transfer-prompts` (default 8) it then serves those prompts through two live
+1 + 1 clusters, prefill tp=N and prefill tp=1, each into a decode worker of one rank
+(`bench/tp_transfer.py`): what resharding costs the transfer, in bytes, head slices
+and time, beside the transfer it replaces.
+
 The demo model (9 query heads, 3 KV heads) does not split over 2 ranks. `--model
 stand-in` writes (once) random weights of the demo's size with 12 query heads and
 4 KV heads of 48 dims: the same parameters, the same KV bytes per token, splittable
@@ -63,6 +68,8 @@ class TPBenchResult:
     prompt_len: int
     decode_steps: int
     runs: list[TPRun] = field(default_factory=list)
+    transfers: list = field(default_factory=list)
+    """`bench.tp_transfer.TransferRun`s: prefill tp=N, then tp=1, into decode tp=1."""
 
     def median(self, tp: int, name: str) -> float:
         return statistics.median(getattr(r, name) for r in self.runs if r.tp == tp)
@@ -86,6 +93,13 @@ def add_tp_parser(kinds) -> None:
     parser.add_argument("--prompt-len", type=int, default=256, help="tokens per prompt")
     parser.add_argument("--decode-steps", type=int, default=32, help="batch-1 steps timed")
     parser.add_argument("--rounds", type=int, default=3, help="tp=1, tp=N alternations")
+    parser.add_argument(
+        "--transfer-prompts",
+        type=int,
+        default=8,
+        help="prompts of `--prompt-len` through prefill tp=N and tp=1 clusters into a "
+        "decode tp=1 worker, to time the resharded transfer (0 skips; default 8)",
+    )
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.set_defaults(func=run_tp_bench)
 
@@ -105,6 +119,13 @@ def run_tp_bench(args: argparse.Namespace) -> int:
             print(f"round {round_ + 1}/{args.rounds} tp={tp}: {_one_line(run)}", flush=True)
             result.runs.append(run)
     print(format_report(result))
+    if args.transfer_prompts > 0:
+        from bench.tp_transfer import format_transfer_report, measure_resharding
+
+        result.transfers = measure_resharding(
+            model, args.tp, args.prompt_len, args.transfer_prompts
+        )
+        print(format_transfer_report(result.transfers, args.prompt_len, args.transfer_prompts))
     if args.json:
         Path(args.json).write_text(json.dumps(asdict(result), indent=2))
     return 0
