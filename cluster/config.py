@@ -412,7 +412,7 @@ class ClusterConfig(ModelSettings):
         """Called by the cluster once the model's context is known, before any worker
         starts: every pool of fixed blocks must hold one sequence of `max_model_len`
         tokens, or some valid requests could never run. A pool its workers size from the
-        device is checked by each worker's engine as it sizes it."""
+        device is checked after start, on what they report (`check_reported_pool`)."""
         needed = self.blocks_per_sequence(max_model_len)
         for role in self.roles_in_use:
             engine = self.engine_config(role)
@@ -425,6 +425,20 @@ class ClusterConfig(ModelSettings):
                 + (f", plus {scratch} for the CUDA graphs' scratch" if scratch else "")
                 + f"); raise {name} to at least {needed + scratch} or lower max_model_len"
             )
+
+    def check_reported_pool(self, role: PoolName, usable_blocks: int, max_model_len: int) -> None:
+        """Called by the cluster after start for a pool its workers sized from the device
+        (`kv_blocks(role)` is None), with the fewest blocks one of them can hand out: the
+        same refusal as `check_pools`, on the measured size."""
+        needed = self.blocks_per_sequence(max_model_len)
+        if usable_blocks >= needed:
+            return
+        raise ConfigError(
+            f"the {role} pool's workers sized their KV pools from gpu_memory_utilization "
+            f"{self.gpu_memory_utilization:g} to {usable_blocks} usable blocks, which cannot "
+            f"hold one {max_model_len}-token sequence ({needed} blocks of {self.block_size}); "
+            f"raise gpu_memory_utilization, lower max_model_len, or set {role}.kv_blocks"
+        )
 
     def blocks_per_sequence(self, max_model_len: int) -> int:
         """KV blocks one sequence of `max_model_len` tokens takes."""

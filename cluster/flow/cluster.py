@@ -21,7 +21,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
-from cluster.config import ClusterConfig, PoolName
+from cluster.config import ClusterConfig, ConfigError, PoolName
 from cluster.control.controller import Controller
 from cluster.flow.request import CloseReason, ClusterRequest, GenerationChunk
 from cluster.flow.request_flow import RequestFlow
@@ -92,7 +92,7 @@ class PDCluster:
     def rank_capacity(self) -> list[str]:
         """One line per pool: what each rank of its workers holds, weights and KV pool, in
         bytes (`pdserve serve` prints them at start-up); a pool its workers size from the
-        device says so."""
+        device says so, and `sized_pool_capacity` has its blocks after start."""
         lines = []
         for role in self.config.roles_in_use:
             engine, tp = self.config.engine_config(role), self.config.pool(role).tp
@@ -114,10 +114,30 @@ class PDCluster:
             )
         return lines
 
+    def sized_pool_capacity(self) -> list[str]:
+        """One line per pool its workers sized from the device, once started: the blocks
+        each worker can hand out (the fewest any reported) and how many `max_model_len`
+        sequences fit at once (`pdserve serve` prints them after start)."""
+        lines = []
+        for role in self.config.roles_in_use:
+            blocks = self.controller.kv_capacity(role)
+            if self.config.kv_blocks(role) is not None or blocks is None:
+                continue
+            per_seq = self.config.blocks_per_sequence(self.max_model_len)
+            lines.append(
+                f"{self._pool_label(role)} workers: KV sized from gpu_memory_utilization "
+                f"{self.config.gpu_memory_utilization:g}: {blocks} blocks of "
+                f"{self.config.block_size} tokens per worker, at most {blocks // per_seq} "
+                f"concurrent {self.max_model_len}-token sequences"
+            )
+        return lines
+
     def pool_blocks(self, role: PoolName) -> int | None:
         """Blocks a worker of `role`'s pool can hand out: the config's count less the
-        CUDA graphs' scratch (None for a pool its workers size from the device)."""
-        return self._fixed_blocks.get(role)
+        CUDA graphs' scratch, or what a pool sized from the device reported (None
+        before it has)."""
+        fixed = self._fixed_blocks.get(role)
+        return fixed if fixed is not None else self.controller.kv_capacity(role)
 
     def _pool_label(self, role: PoolName) -> str:
         return "colocated" if self.config.mode == "colocated" else role
@@ -130,8 +150,21 @@ class PDCluster:
         )
 
     async def start(self) -> PDCluster:
+        """Start the workers; then refuse (stopping them) a pool they sized from the device
+        too small for one `max_model_len` sequence, as `check_pools` does fixed ones."""
         await self.controller.start()
+        try:
+            self._check_sized_pools()
+        except ConfigError:
+            await self.controller.shutdown()
+            raise
         return self
+
+    def _check_sized_pools(self) -> None:
+        for role in self.config.roles_in_use:
+            blocks = self.controller.kv_capacity(role)
+            if self.config.kv_blocks(role) is None and blocks is not None:
+                self.config.check_reported_pool(role, blocks, self.max_model_len)
 
     async def shutdown(self) -> None:
         self.flow.streams.close()
@@ -177,7 +210,7 @@ class PDCluster:
         if self.config.mode == "disaggregated":
             pools["prefill"] = (self.pool_blocks("prefill"), len(prompt_ids) + 1)
         for role, (blocks, tokens) in pools.items():
-            # A pool sized from the device: its engine refuses what it cannot hold.
+            # A pool not yet sized (before start): its engine refuses the request itself.
             if blocks is not None and blocks_needed(tokens, self.config.block_size) > blocks:
                 raise InvalidRequestError(
                     f"{tokens} tokens do not fit a {role} worker's KV pool ({blocks} blocks "
