@@ -6,8 +6,9 @@ missing or the time left is too short:
 
 1. tests: `pytest -m gpu tests/test_gpu.py`, the CUDA paths the CPU suite cannot reach;
 2. serve: the model served colocated (1 worker, a whole GPU) and disaggregated (1 + 1 on
-   the same GPU, `gpus_per_worker` 0.5 each, KV over gRPC: NCCL cannot pair two
-   processes on one GPU), each measured by `pdserve bench serve` at concurrency 1 and
+   the same GPU, `gpus_per_worker` 0.5 each, KV pools sized from
+   `gpu_memory_utilization` 0.45 each, KV over gRPC: NCCL cannot pair two processes on
+   one GPU), each measured by `pdserve bench serve` at concurrency 1 and
    16 (256-token prompts, 64 new tokens), TTFT and TPOT printed;
 3. roofline: the batch-1 decode step against `pdserve roofline --hardware` (default
    h100): weights and KV streamed once at the datasheet's HBM bandwidth;
@@ -58,6 +59,8 @@ MODES = {
         "1",
         "--gpus-per-worker",
         "0.5",
+        "--gpu-memory-utilization",
+        "0.45",
         "--transport",
         "grpc",
     ],

@@ -6,7 +6,7 @@ actor starts. Besides its own keys the config has three sections, each a frozen
 dataclass of its own and a nested mapping in YAML:
 
     prefill: {workers: 2, kv_blocks: 1024}      # PoolConfig: the prefill pool
-    decode: {workers: 1, kv_blocks: 4096, tp: 2}  # PoolConfig: the decode pool
+    decode: {workers: 1, kv_blocks: auto, tp: 2}  # PoolConfig: the decode pool
     transport: {name: grpc, chunk_bytes: ...}   # TransportConfig: the KV transport
 
 Each value has one owner: the transport's options (lease, timeouts, binds, TLS,
@@ -15,6 +15,7 @@ faults) are `kv_transfer.TransportOptions`' fields, declared there and nowhere e
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 from collections.abc import Mapping
@@ -38,8 +39,15 @@ KVStreaming = Literal["whole", "chunk"]
 KVTransferMode = Literal["pull", "push"]
 DisaggregationMode = Literal["always", "never", "auto"]
 
+PoolName = Literal["prefill", "decode"]
+
 POOL_RESOURCES = {"prefill": "prefill_pool", "decode": "decode_pool", "colocated": "decode_pool"}
 """Role -> the custom resource a node advertises per worker of that role it takes."""
+CPU_POOL_KV_BLOCKS: dict[str, int] = {"prefill": 1024, "decode": 2048}
+"""KV blocks per worker of a CPU pool given no count (`kv_blocks: auto`): CPU memory is
+not profiled, so the pool keeps a fixed size (`ClusterConfig.kv_blocks`)."""
+KV_BLOCKS_AUTO = "auto"
+"""The `kv_blocks` value (YAML or flag) that means None: sized from the device."""
 COLOCATED_CPU_STEP_TOKENS = 1024
 """Default step cap of a colocated CPU worker (`ClusterConfig.colocated_step_tokens`)."""
 DECODE_SIDE_PREFILL_CPU_STEP_TOKENS = 256
@@ -68,6 +76,24 @@ class ConfigError(ValueError):
     """A configuration value or key is wrong; the message names the field."""
 
 
+def pool_of(role: str) -> PoolName:
+    """The pool section of a worker role: colocated workers are the `decode` pool."""
+    return "prefill" if role == "prefill" else "decode"
+
+
+def kv_blocks_arg(text: str) -> int | str:
+    """The value of `--prefill-kv-blocks` / `--decode-kv-blocks`: a block count or `auto`
+    (left as the word: a flag's None means "not given")."""
+    if text == KV_BLOCKS_AUTO:
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be a block count or {KV_BLOCKS_AUTO!r}, got {text!r}"
+        ) from None
+
+
 @dataclass(frozen=True, kw_only=True)
 class PoolConfig:
     """One role's worker pool: the `prefill` and `decode` sections."""
@@ -75,9 +101,14 @@ class PoolConfig:
     workers: int = 1
     """Workers of this role to start (decode, in colocated mode: the colocated workers,
     each prefilling and decoding; prefill: at least 1 in disaggregated mode)."""
-    kv_blocks: int
+    kv_blocks: int | None = field(
+        default=None, metadata={"type": kv_blocks_arg, "metavar": "N|auto"}
+    )
     """KV blocks per worker: a prefill worker holds prompts in them until their KV is
-    exported and acked; a decode (or colocated) worker's are its admission capacity."""
+    exported and acked; a decode (or colocated) worker's are its admission capacity.
+    None (or `auto`): on GPU pools each worker sizes its pool from
+    `gpu_memory_utilization` at start; on CPU pools `CPU_POOL_KV_BLOCKS` (prefill
+    1024, decode 2048). A count overrides both."""
     batch_tokens: int | None = None
     """Step budget of each worker of the pool, in tokens (prefill: on CPUs also the cap
     of a colocated worker's step). None: a default per role and device (see
@@ -87,18 +118,22 @@ class PoolConfig:
     on one node (a STRICT_PACK placement group; one GPU each on GPU pools), each holding
     its share of every layer's heads and of the MLP, and its heads' KV."""
 
+    def __post_init__(self) -> None:
+        if self.kv_blocks == KV_BLOCKS_AUTO:  # YAML's and the flag's word for None
+            object.__setattr__(self, "kv_blocks", None)
+
     def check(self, section: str) -> None:
         """Called by `ClusterConfig.__post_init__`, which names the section."""
-        values = {
-            "workers": (self.workers, 0),
-            "kv_blocks": (self.kv_blocks, 1),
-            "tp": (self.tp, 1),
-        }
-        if self.batch_tokens is not None:
-            values["batch_tokens"] = (self.batch_tokens, 1)
+        values = {"workers": (self.workers, 0), "tp": (self.tp, 1)}
+        for name in ("kv_blocks", "batch_tokens"):
+            if getattr(self, name) is not None:
+                values[name] = (getattr(self, name), 1)
         for name, (value, least) in values.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ConfigError(f"{section}.{name} must be an integer >= {least}, got {value!r}")
+                allowed = " or 'auto'" if name == "kv_blocks" else ""
+                raise ConfigError(
+                    f"{section}.{name} must be an integer >= {least}{allowed}, got {value!r}"
+                )
 
 
 @dataclass(frozen=True)
@@ -142,9 +177,9 @@ class ClusterConfig(ModelSettings):
 
     mode: Mode = "disaggregated"
     """`disaggregated` (prefill and decode pools) or `colocated` (one worker does both)."""
-    prefill: PoolConfig = PoolConfig(kv_blocks=1024)
+    prefill: PoolConfig = PoolConfig()
     """The prefill pool (disaggregated mode)."""
-    decode: PoolConfig = PoolConfig(kv_blocks=2048)
+    decode: PoolConfig = PoolConfig()
     """The decode pool; in colocated mode, the colocated workers."""
     threads_per_worker: int | None = None
     """torch threads per worker on CPU (keep workers x threads <= cores). None: this
@@ -243,6 +278,7 @@ class ClusterConfig(ModelSettings):
                 "on GPU pools use standby_workers (warm spares) instead"
             )
         self._check_tp()
+        self._check_gpu_share()
         restarts = (
             "max_restarts",
             "restart_backoff_s",
@@ -283,6 +319,22 @@ class ClusterConfig(ModelSettings):
                 f"{pools}: prestarted_workers start one process per worker, not a group of "
                 "ranks; use standby_workers (warm spares) for tensor-parallel pools"
             )
+
+    def _check_gpu_share(self) -> None:
+        """Workers that share a GPU (`gpus_per_worker` < 1) and size their KV pools from
+        it would each take `gpu_memory_utilization` of the whole device, and the later
+        ones to start would find it taken: refused before anything starts."""
+        share = self.gpus_per_worker
+        sized = [role for role in self.roles_in_use if self.kv_blocks(role) is None]
+        if not sized or not 0 < share < 1 or self.gpu_memory_utilization <= share:
+            return
+        pools = " and ".join(f"{role}.kv_blocks" for role in sized)
+        raise ConfigError(
+            f"gpus_per_worker={share:g} shares each GPU between workers, and with {pools} "
+            f"unset each sizes its KV pool from gpu_memory_utilization="
+            f"{self.gpu_memory_utilization:g} of the whole GPU; set gpu_memory_utilization "
+            f"to at most {share:g} (each worker's share) or set {pools}"
+        )
 
     @property
     def roles_in_use(self) -> tuple[str, ...]:
@@ -357,22 +409,50 @@ class ClusterConfig(ModelSettings):
         return KVStream.PULL if self.kv_streaming == "chunk" else KVStream.WHOLE
 
     def check_pools(self, max_model_len: int) -> None:
-        """Called by the cluster once the model's context is known: every pool must hold
-        one sequence of `max_model_len` tokens, or some valid requests could never run."""
-        needed = -(-max_model_len // self.block_size)
-        roles = {"decode.kv_blocks": "decode"}
-        if self.mode == "disaggregated":
-            roles["prefill.kv_blocks"] = "prefill"
-        for name, role in roles.items():
+        """Called by the cluster once the model's context is known, before any worker
+        starts: every pool of fixed blocks must hold one sequence of `max_model_len`
+        tokens, or some valid requests could never run. A pool its workers size from the
+        device is checked after start, on what they report (`check_reported_pool`)."""
+        needed = self.blocks_per_sequence(max_model_len)
+        for role in self.roles_in_use:
             engine = self.engine_config(role)
-            if engine.usable_kv_blocks < needed:
-                scratch = engine.scratch_blocks
-                raise ConfigError(
-                    f"{name}={engine.num_kv_blocks} cannot hold one {max_model_len}-token "
-                    f"sequence ({needed} blocks of {self.block_size}"
-                    + (f", plus {scratch} for the CUDA graphs' scratch" if scratch else "")
-                    + f"); raise {name} to at least {needed + scratch} or lower max_model_len"
-                )
+            if engine.usable_kv_blocks is None or engine.usable_kv_blocks >= needed:
+                continue
+            name, scratch = f"{role}.kv_blocks", engine.scratch_blocks
+            raise ConfigError(
+                f"{name}={engine.num_kv_blocks} cannot hold one {max_model_len}-token "
+                f"sequence ({needed} blocks of {self.block_size}"
+                + (f", plus {scratch} for the CUDA graphs' scratch" if scratch else "")
+                + f"); raise {name} to at least {needed + scratch} or lower max_model_len"
+            )
+
+    def check_reported_pool(self, role: PoolName, usable_blocks: int, max_model_len: int) -> None:
+        """Called by the cluster after start for a pool its workers sized from the device
+        (`kv_blocks(role)` is None), with the fewest blocks one of them can hand out: the
+        same refusal as `check_pools`, on the measured size."""
+        needed = self.blocks_per_sequence(max_model_len)
+        if usable_blocks >= needed:
+            return
+        raise ConfigError(
+            f"the {role} pool's workers sized their KV pools from gpu_memory_utilization "
+            f"{self.gpu_memory_utilization:g} to {usable_blocks} usable blocks, which cannot "
+            f"hold one {max_model_len}-token sequence ({needed} blocks of {self.block_size}); "
+            f"raise gpu_memory_utilization, lower max_model_len, or set {role}.kv_blocks"
+        )
+
+    def blocks_per_sequence(self, max_model_len: int) -> int:
+        """KV blocks one sequence of `max_model_len` tokens takes."""
+        return -(-max_model_len // self.block_size)
+
+    def kv_blocks(self, role: str) -> int | None:
+        """KV blocks per worker of `role`'s pool: its `kv_blocks`, else on CPU pools
+        `CPU_POOL_KV_BLOCKS`; None where each worker sizes its pool from
+        `gpu_memory_utilization` at start (the controller's `kv_capacity` then has it)."""
+        pool = pool_of(role)
+        blocks = self.pool(pool).kv_blocks
+        if blocks is None and self.device == "cpu":
+            return CPU_POOL_KV_BLOCKS[pool]
+        return blocks
 
     @property
     def device(self) -> str:
@@ -387,16 +467,15 @@ class ClusterConfig(ModelSettings):
 
     def tp_of(self, role: str) -> int:
         """Ranks of a worker of `role` (colocated workers are the `decode` pool)."""
-        return self.pool("prefill" if role == "prefill" else "decode").tp
+        return self.pool(pool_of(role)).tp
 
-    def pool(self, role: Literal["prefill", "decode"]) -> PoolConfig:
+    def pool(self, role: PoolName) -> PoolConfig:
         """The section of `role` (colocated workers are the `decode` pool)."""
         return self.prefill if role == "prefill" else self.decode
 
-    def engine_config(self, role: Literal["prefill", "decode"]) -> EngineConfig:
+    def engine_config(self, role: PoolName) -> EngineConfig:
         """The engine settings of one worker of `role` (colocated workers use `decode`)."""
         shared = {f.name: getattr(self, f.name) for f in fields(ModelSettings)}
-        blocks = self.pool(role).kv_blocks
         if role == "prefill":
             shared["max_batch_tokens"] = self.prefill_step_tokens
         elif self.mode == "colocated" and self.device == "cpu":
@@ -407,7 +486,7 @@ class ClusterConfig(ModelSettings):
         return EngineConfig(
             **shared,
             device=self.device,
-            num_kv_blocks=blocks,
+            num_kv_blocks=self.kv_blocks(role),
             num_threads=self.worker_threads,
         )
 

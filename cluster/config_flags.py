@@ -9,7 +9,8 @@ flag `--{section}-{field}` (`--prefill-workers`, `--transport-chunk-bytes`, and 
 level deeper `--transport-faults-mode`), in an argument group of the section's own.
 
 A field's metadata may name its flag (`{"flag": "--x"}`), its choices
-(`{"choices": [...]}`) and its metavar. Every flag's `dest` is the field's dotted path
+(`{"choices": [...]}`), its metavar, and the function that parses its value
+(`{"type": f}`, for a value the annotation cannot say: a count or `auto`). Every flag's `dest` is the field's dotted path
 (`prefill.workers`) and defaults to None, meaning "not given": `config_overrides`
 returns only what was given, nested by section like the YAML file, for
 `ClusterConfig.load` to lay over it.
@@ -114,6 +115,8 @@ def add_config_flags(
                 f"{flag.section} section", docs.get(flag.section)
             )
         kwargs = _argument_kwargs(flag.hint)
+        if "type" in flag.metadata:
+            kwargs["type"] = flag.metadata["type"]
         if "choices" in flag.metadata:
             kwargs["choices"] = list(flag.metadata["choices"])
         if "metavar" in flag.metadata:

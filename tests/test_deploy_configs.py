@@ -65,6 +65,19 @@ def test_each_shipped_config_loads(name, tmp_path):
     assert config.prefill.workers >= 1 and config.decode.workers >= 1
 
 
+@pytest.mark.parametrize("name", sorted(shipped_configs()))
+def test_each_shipped_gpu_config_sizes_its_pools_from_the_device(name, tmp_path):
+    """A block count tuned to one GPU and model wastes a bigger GPU or overruns a smaller
+    one: the shipped GPU configs leave `kv_blocks` unset, so each worker sizes its pool."""
+    path = tmp_path / "pdserve.yaml"
+    path.write_text(shipped_configs()[name])
+    config = ClusterConfig.load(str(path), {})
+    assert config.device == "cuda"
+    for role in config.roles_in_use:
+        assert config.kv_blocks(role) is None, role
+        assert config.engine_config(role).sizes_kv_from_device
+
+
 def test_the_tensor_parallel_example_fits_its_ray_cluster(tmp_path):
     """Each pool's pods hold its workers as the code places them: one unit of the pool's
     resource per worker whatever its tp, one GPU per rank, every rank of a worker in one

@@ -6,9 +6,10 @@ batch bucket), the Triton kernels compiled (against their dense reference, and i
 engine against the torch gather path), bf16 greedy agreement with transformers on the
 GPU's own matmuls, KV blocks leaving and entering CUDA pools (in one process, and
 between two over gRPC; NCCL pairs need two GPUs), NVML's reading of the device, the
-KV pool sized from `gpu_memory_utilization` within that share of the device, the device
-checksum against its definition, a transfer running beside decode steps without
-slowing them (its own stream), and a dead NCCL peer failing only the fetch (two GPUs).
+KV pool sized from `gpu_memory_utilization` within that share of the device (and a
+cluster's, when its config gives no block count), the device checksum against its
+definition, a transfer running beside decode steps without slowing them (its own
+stream), and a dead NCCL peer failing only the fetch (two GPUs).
 `make test-gpu` runs this module and the short bench (bench/gpu_check.py);
 docs/operations.md says how to run them on a GPU machine that has no network (its own
 torch, no virtualenv).
@@ -20,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine.kv_cache import KVLayout
 from engine.sampling_params import SamplingParams
 from kv_transfer import ExportTicket, TransportOptions, make_receiver
 from tests.factories import (
@@ -300,6 +302,46 @@ def test_a_share_that_holds_no_sequence_is_refused_on_the_gpu(tiny_llama_dir):
 
     with pytest.raises(KVMemoryError, match=r"gpu_memory_utilization 1e-06 of .* Raise"):
         gpu_engine(tiny_llama_dir, num_kv_blocks=None, gpu_memory_utilization=1e-6)
+
+
+def test_a_cuda_clusters_pool_is_sized_from_the_gpu(tiny_llama_dir):
+    """1. a colocated worker on a whole GPU, no kv_blocks; 2. it sizes its pool within
+    gpu_memory_utilization 0.3 of the device, far past any CPU default; 3. the cluster
+    reports that size and serves from it."""
+    pytest.importorskip("ray")  # the rest of this module runs without the cluster's packages
+    from cluster.config import CPU_POOL_KV_BLOCKS
+    from tests.cluster_helpers import collect, run_cluster, tiny_cluster_config
+
+    share = 0.3
+    config = tiny_cluster_config(
+        tiny_llama_dir,
+        mode="colocated",
+        gpus_per_worker=1,
+        gpu_memory_utilization=share,
+        block_size=256,
+        decode={"kv_blocks": "auto"},
+    )
+    assert config.engine_config("decode").sizes_kv_from_device
+
+    async def scenario(cluster):
+        tokens, _ = await collect(cluster, prompt_of(20), GREEDY)
+        return {
+            "blocks": cluster.controller.kv_capacity("decode"),
+            "lines": cluster.sized_pool_capacity(),
+            "block_bytes": KVLayout.for_model(cluster.spec, torch.float32, 256).block_nbytes,
+            "tokens": tokens,
+        }
+
+    seen = run_cluster(config, scenario)
+    blocks, total = seen["blocks"], torch.cuda.get_device_properties(0).total_memory
+    assert max(CPU_POOL_KV_BLOCKS.values()) < blocks
+    # Within the share, the CUDA graphs' scratch block included:
+    assert (blocks + 1) * seen["block_bytes"] <= share * total
+    assert seen["lines"] == [
+        f"colocated workers: KV sized from gpu_memory_utilization {share:g}: {blocks} blocks "
+        f"of 256 tokens per worker, at most {blocks // 2} concurrent 512-token sequences"
+    ]
+    assert len(seen["tokens"]) == GREEDY.max_tokens
 
 
 def test_the_device_checksum_equals_its_reference_on_the_gpu():

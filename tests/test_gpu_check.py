@@ -27,6 +27,7 @@ def test_the_served_modes_are_valid_serve_flags(mode):
     if mode == "disaggregated":
         assert (config.prefill.workers, config.decode.workers) == (1, 1)
         assert config.gpus_per_worker == 0.5
+        assert config.gpu_memory_utilization == 0.45  # two KV pools sized on one GPU
         assert config.transport.name == "grpc"  # NCCL cannot pair two processes on one GPU
     else:
         assert (config.mode, config.gpus_per_worker) == ("colocated", 1.0)

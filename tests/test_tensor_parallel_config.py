@@ -36,7 +36,7 @@ def test_a_worker_takes_one_pool_unit_and_a_gpu_per_rank():
     assert spec.rank_resources == {"decode_pool": 0.25}
     assert spec.rank_gpus == 1.0
     assert config.gpus_per_rank("prefill") == 1.0  # tp=1: gpus_per_worker as it is
-    fractional = ClusterConfig.from_dict({"gpus_per_worker": 0.5})
+    fractional = ClusterConfig.from_dict({"gpus_per_worker": 0.5, "gpu_memory_utilization": 0.45})
     assert fractional.gpus_per_rank("decode") == 0.5
 
 

@@ -129,6 +129,8 @@ async def _serve(
         print(line, flush=True)
     await cluster.start()
     try:
+        for line in cluster.sized_pool_capacity():  # pools sized from the device: known only now
+            print(line, flush=True)
         app = build_app(cluster, settings)
         server = _draining_server(app, settings, drain_timeout_s)
         name = app.state.handler.model_name

@@ -35,7 +35,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.config import POOL_RESOURCES, ClusterConfig
+from cluster.config import POOL_RESOURCES, ClusterConfig, PoolName, pool_of
 from cluster.control.core_plan import CorePlan, plan_cores
 from cluster.control.local_head import local_head_pids, start_local_head
 from cluster.control.prestarted import PrestartedProcesses
@@ -124,7 +124,7 @@ class Controller:
 
     def _target(self, role: str) -> int:
         """Workers of `role` that take requests at full strength."""
-        return self.config.pool("prefill" if role == "prefill" else "decode").workers
+        return self.config.pool(pool_of(role)).workers
 
     def _spawn(self, worker: WorkerInfo):
         """Start the next generation of `worker`'s actor in a new process; returns its handle.
@@ -344,6 +344,18 @@ class Controller:
         else:
             worker.handle = self._spawn(worker)
         await self._first_health(worker, restarted=True)
+
+    def kv_capacity(self, pool: PoolName) -> int | None:
+        """The KV blocks each worker of `pool` can hand out (colocated workers are the
+        `decode` pool): the fewest any of them reported in its last health report, None
+        before one has. The cluster checks and prints a pool its workers sized from the
+        device by it after `start`, and admits requests by it."""
+        reported = [
+            w.load.total_blocks
+            for w in self.workers.values()
+            if w.load is not None and pool_of(w.role) == pool
+        ]
+        return min(reported, default=None)
 
     def _at_strength(self, role: str) -> bool:
         routed = [w for w in self.workers.values() if w.role == role and w.alive and not w.standby]

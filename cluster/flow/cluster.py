@@ -21,7 +21,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, ConfigError, PoolName
 from cluster.control.controller import Controller
 from cluster.flow.request import CloseReason, ClusterRequest, GenerationChunk
 from cluster.flow.request_flow import RequestFlow
@@ -70,6 +70,9 @@ class PDCluster:
         config.check_pools(self.max_model_len)
         config.check_tp(spec)
         self.spec = spec
+        self._fixed_blocks = {
+            role: config.engine_config(role).usable_kv_blocks for role in config.roles_in_use
+        }
         self.controller = Controller(config)
         self.router = Router(config.router_policy, self.controller.workers)
         self.flow = RequestFlow(config, self.router, self.controller.mark_dead)
@@ -88,21 +91,56 @@ class PDCluster:
 
     def rank_capacity(self) -> list[str]:
         """One line per pool: what each rank of its workers holds, weights and KV pool, in
-        bytes (`pdserve serve` prints them at start-up)."""
+        bytes (`pdserve serve` prints them at start-up); a pool its workers size from the
+        device says so, and `sized_pool_capacity` has its blocks after start."""
         lines = []
         for role in self.config.roles_in_use:
             engine, tp = self.config.engine_config(role), self.config.pool(role).tp
             shard = ModelShard.of(self.spec, tp, 0)
             weights = shard_parameters(self.spec, shard) * engine.torch_dtype.itemsize
             layout = KVLayout.for_model(self.spec, engine.kv_torch_dtype, engine.block_size, shard)
-            kv = layout.block_nbytes * engine.num_kv_blocks
-            name = "colocated" if self.config.mode == "colocated" else role
+            block = _mib(layout.block_nbytes)
+            if engine.num_kv_blocks is None:
+                kv = (
+                    f"blocks of {block} sized at start from gpu_memory_utilization "
+                    f"{engine.gpu_memory_utilization:g}"
+                )
+            else:
+                total = _mib(layout.block_nbytes * engine.num_kv_blocks)
+                kv = f"{engine.num_kv_blocks} blocks x {block} = {total}"
             lines.append(
-                f"{name} workers: tp={tp}, per rank: weights {_mib(weights)}, KV "
-                f"{engine.num_kv_blocks} blocks x {_mib(layout.block_nbytes)} = {_mib(kv)} "
-                f"({layout.num_kv_heads} of {self.spec.num_kv_heads} KV heads)"
+                f"{self._pool_label(role)} workers: tp={tp}, per rank: weights {_mib(weights)}, "
+                f"KV {kv} ({layout.num_kv_heads} of {self.spec.num_kv_heads} KV heads)"
             )
         return lines
+
+    def sized_pool_capacity(self) -> list[str]:
+        """One line per pool its workers sized from the device, once started: the blocks
+        each worker can hand out (the fewest any reported) and how many `max_model_len`
+        sequences fit at once (`pdserve serve` prints them after start)."""
+        lines = []
+        for role in self.config.roles_in_use:
+            blocks = self.controller.kv_capacity(role)
+            if self.config.kv_blocks(role) is not None or blocks is None:
+                continue
+            per_seq = self.config.blocks_per_sequence(self.max_model_len)
+            lines.append(
+                f"{self._pool_label(role)} workers: KV sized from gpu_memory_utilization "
+                f"{self.config.gpu_memory_utilization:g}: {blocks} blocks of "
+                f"{self.config.block_size} tokens per worker, at most {blocks // per_seq} "
+                f"concurrent {self.max_model_len}-token sequences"
+            )
+        return lines
+
+    def pool_blocks(self, role: PoolName) -> int | None:
+        """Blocks a worker of `role`'s pool can hand out: the config's count less the
+        CUDA graphs' scratch, or what a pool sized from the device reported (None
+        before it has)."""
+        fixed = self._fixed_blocks.get(role)
+        return fixed if fixed is not None else self.controller.kv_capacity(role)
+
+    def _pool_label(self, role: PoolName) -> str:
+        return "colocated" if self.config.mode == "colocated" else role
 
     def _remember_decoded(self, req: ClusterRequest) -> None:
         """Its decode worker now caches the prompt and all outputs but the last (whose KV
@@ -112,8 +150,21 @@ class PDCluster:
         )
 
     async def start(self) -> PDCluster:
+        """Start the workers; then refuse (stopping them) a pool they sized from the device
+        too small for one `max_model_len` sequence, as `check_pools` does fixed ones."""
         await self.controller.start()
+        try:
+            self._check_sized_pools()
+        except ConfigError:
+            await self.controller.shutdown()
+            raise
         return self
+
+    def _check_sized_pools(self) -> None:
+        for role in self.config.roles_in_use:
+            blocks = self.controller.kv_capacity(role)
+            if self.config.kv_blocks(role) is None and blocks is not None:
+                self.config.check_reported_pool(role, blocks, self.max_model_len)
 
     async def shutdown(self) -> None:
         self.flow.streams.close()
@@ -155,11 +206,12 @@ class PDCluster:
                 "max_tokens)",
                 request_id,
             )
-        pools = {"decode": (self.config.decode.kv_blocks, wanted)}
+        pools = {"decode": (self.pool_blocks("decode"), wanted)}
         if self.config.mode == "disaggregated":
-            pools["prefill"] = (self.config.prefill.kv_blocks, len(prompt_ids) + 1)
+            pools["prefill"] = (self.pool_blocks("prefill"), len(prompt_ids) + 1)
         for role, (blocks, tokens) in pools.items():
-            if blocks_needed(tokens, self.config.block_size) > blocks:
+            # A pool not yet sized (before start): its engine refuses the request itself.
+            if blocks is not None and blocks_needed(tokens, self.config.block_size) > blocks:
                 raise InvalidRequestError(
                     f"{tokens} tokens do not fit a {role} worker's KV pool ({blocks} blocks "
                     f"of {self.config.block_size})",
