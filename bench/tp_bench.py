@@ -11,7 +11,9 @@ is an `LLMEngine`, the others `FollowerEngine`s running its steps. Rank 0 times
 * inside each, the seconds its collectives took on rank 0: the forward's all-reduces
   and LM-head gather (`model`), and the step broadcast to the followers (`step`).
   A collective's time includes waiting for the slowest rank, so it is the whole
-  price of the split, not only the bytes on the wire.
+  price of the split, not only the bytes on the wire;
+* the bare library's all-reduce of one row (the decode step's size), timed on the
+  same ranks before the engines load: the floor under each of the step's collectives.
 
 The configurations alternate (`--rounds` of tp=1, tp=N), so a drift of this shared
 machine lands on both; every figure printed is the median over rounds.
@@ -58,6 +60,11 @@ class TPRun:
     """Per batch-1 decode step: the forward's all-reduces and gather on rank 0."""
     decode_step_broadcast_ms: float
     """Per batch-1 decode step: rank 0 sending the step to its followers."""
+    decode_collectives_per_step: int
+    """All-reduces and gathers in one batch-1 decode step (2 per layer, 1 gather)."""
+    bare_all_reduce_us: float
+    """One row's all-reduce on the bare library, timed on the same ranks before the
+    engines load (0 at tp=1)."""
 
 
 @dataclass
@@ -206,6 +213,8 @@ def format_report(result: TPBenchResult) -> str:
         ("batch-1 decode step, ms", "decode_step_ms", "{:.2f}"),
         ("  of which collectives, ms", "decode_model_collective_ms", "{:.2f}"),
         ("  of which step broadcast, ms", "decode_step_broadcast_ms", "{:.2f}"),
+        ("collectives per decode step", "decode_collectives_per_step", "{:.0f}"),
+        ("bare all-reduce of one row, us", "bare_all_reduce_us", "{:.0f}"),
     ]
     lines = [
         f"model {result.model}, float32, {PREFILL_PROMPTS} x {result.prompt_len}-token "

@@ -21,6 +21,7 @@ from bench.tp_bench import PREFILL_PROMPTS
 from engine.config import EngineConfig
 from engine.cpu_affinity import pin_process
 from engine.llm_engine import LLMEngine
+from engine.model_spec import load_model_spec
 from engine.parallel.follower import FollowerEngine
 from engine.parallel.group import TPGroup
 
@@ -33,10 +34,12 @@ class CollectiveClock:
     gather (`model_s`) and the step broadcasts to its followers (`step_s`)."""
 
     model_s: float = 0.0
+    model_calls: int = 0
     step_s: float = 0.0
 
     def reset(self) -> None:
         self.model_s = self.step_s = 0.0
+        self.model_calls = 0
 
 
 @dataclass(frozen=True)
@@ -49,12 +52,14 @@ class TimedGroup(TPGroup):
         start = time.perf_counter()
         out = super().all_reduce(tensor)
         self.clock.model_s += time.perf_counter() - start
+        self.clock.model_calls += 1
         return out
 
     def all_gather(self, tensor, dim: int = -1):
         start = time.perf_counter()
         out = super().all_gather(tensor, dim)
         self.clock.model_s += time.perf_counter() - start
+        self.clock.model_calls += 1
         return out
 
     def broadcast(self, tensor, timeout=None):
@@ -81,6 +86,7 @@ def _serve_rank(rank, size, threads, port, model, prompt_len, decode_steps, resu
     config = _engine_config(model, threads, prompt_len, decode_steps)
     store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timeout=JOIN_TIMEOUT)
     joined = TPGroup.join(store, rank, size)
+    bare_us = _bare_all_reduce_us(joined, load_model_spec(model).hidden_size)
     if rank:
         FollowerEngine(config, joined).serve()
         return
@@ -93,7 +99,26 @@ def _serve_rank(rank, size, threads, port, model, prompt_len, decode_steps, resu
         figures = _measure(engine, clock, prompt_len, decode_steps)
     finally:
         engine.stop_followers()
-    results.put(dict(tp=size, threads_per_rank=threads, **figures))
+    results.put(dict(tp=size, threads_per_rank=threads, bare_all_reduce_us=bare_us, **figures))
+
+
+BARE_CALLS = 400
+"""All-reduces timed by `_bare_all_reduce_us`, after 40 untimed."""
+
+
+def _bare_all_reduce_us(group: TPGroup, hidden_size: int) -> float:
+    """The bare library's price of one decode all-reduce (one row of `hidden_size`
+    floats), timed on these ranks before their engines load: what each of a step's
+    all-reduces costs at least. Every rank calls it (a collective); 0 at tp=1."""
+    if not group.parallel:
+        return 0.0
+    row = torch.zeros(hidden_size)
+    for _ in range(40):
+        group.all_reduce(row)
+    start = time.perf_counter()
+    for _ in range(BARE_CALLS):
+        group.all_reduce(row)
+    return (time.perf_counter() - start) / BARE_CALLS * 1e6
 
 
 def _engine_config(model: str, threads: int, prompt_len: int, decode_steps: int):
@@ -122,13 +147,14 @@ def _measure(engine, clock: CollectiveClock, prompt_len: int, decode_steps: int)
         engine.step()
     engine.add_request("decode", _prompts(1, prompt_len, vocab)[0], _greedy(decode_steps + 1))
     engine.step()  # its prefill
-    steps, model_s, step_s = [], [], []
+    steps, model_s, model_calls, step_s = [], [], [], []
     while engine.has_unfinished():
         clock.reset()
         start = time.perf_counter()
         engine.step()
         steps.append(time.perf_counter() - start)
         model_s.append(clock.model_s)
+        model_calls.append(clock.model_calls)
         step_s.append(clock.step_s)
     timed = slice(0, -1)  # the last step only finishes the request
     return dict(
@@ -136,5 +162,6 @@ def _measure(engine, clock: CollectiveClock, prompt_len: int, decode_steps: int)
         prefill_model_collective_ms=prefill_collective_s * 1e3,
         decode_step_ms=statistics.median(steps[timed]) * 1e3,
         decode_model_collective_ms=statistics.median(model_s[timed]) * 1e3,
+        decode_collectives_per_step=int(statistics.median(model_calls[timed])),
         decode_step_broadcast_ms=statistics.median(step_s[timed]) * 1e3,
     )
