@@ -12,8 +12,9 @@ is an `LLMEngine`, the others `FollowerEngine`s running its steps. Rank 0 times
   and LM-head gather (`model`), and the step broadcast to the followers (`step`).
   A collective's time includes waiting for the slowest rank, so it is the whole
   price of the split, not only the bytes on the wire;
-* the bare library's all-reduce of one row (the decode step's size), timed on the
-  same ranks before the engines load: the floor under each of the step's collectives.
+* one row's all-reduce (the decode step's size) on the bare library (gloo) and through
+  the worker's `TPGroup` (a shared-memory segment on a CPU), timed on the same ranks
+  before the engines load.
 
 The configurations alternate (`--rounds` of tp=1, tp=N), so a drift of this shared
 machine lands on both; every figure printed is the median over rounds.
@@ -63,8 +64,10 @@ class TPRun:
     decode_collectives_per_step: int
     """All-reduces and gathers in one batch-1 decode step (2 per layer, 1 gather)."""
     bare_all_reduce_us: float
-    """One row's all-reduce on the bare library, timed on the same ranks before the
-    engines load (0 at tp=1)."""
+    """One row's all-reduce on the bare library (gloo), timed on the same ranks before
+    the engines load (0 at tp=1)."""
+    group_all_reduce_us: float
+    """The same through the worker's `TPGroup` (shared memory on a CPU)."""
 
 
 @dataclass
@@ -214,7 +217,8 @@ def format_report(result: TPBenchResult) -> str:
         ("  of which collectives, ms", "decode_model_collective_ms", "{:.2f}"),
         ("  of which step broadcast, ms", "decode_step_broadcast_ms", "{:.2f}"),
         ("collectives per decode step", "decode_collectives_per_step", "{:.0f}"),
-        ("bare all-reduce of one row, us", "bare_all_reduce_us", "{:.0f}"),
+        ("one row's all-reduce, gloo, us", "bare_all_reduce_us", "{:.0f}"),
+        ("one row's all-reduce, TPGroup, us", "group_all_reduce_us", "{:.0f}"),
     ]
     lines = [
         f"model {result.model}, float32, {PREFILL_PROMPTS} x {result.prompt_len}-token "

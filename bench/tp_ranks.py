@@ -86,39 +86,50 @@ def _serve_rank(rank, size, threads, port, model, prompt_len, decode_steps, resu
     config = _engine_config(model, threads, prompt_len, decode_steps)
     store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timeout=JOIN_TIMEOUT)
     joined = TPGroup.join(store, rank, size)
-    bare_us = _bare_all_reduce_us(joined, load_model_spec(model).hidden_size)
+    hidden = load_model_spec(model).hidden_size
+    bare_us = _all_reduce_us(lambda row: joined.group.allreduce([row]).wait(), joined, hidden)
+    group_us = _all_reduce_us(joined.all_reduce, joined, hidden)
     if rank:
         FollowerEngine(config, joined).serve()
         return
     clock = CollectiveClock()
     engine = LLMEngine(
-        config, TimedGroup(joined.rank, joined.size, joined.group, joined.device, clock=clock)
+        config,
+        TimedGroup(joined.rank, joined.size, joined.group, joined.device, joined.shm, clock=clock),
     )
     engine.model.pin_threads = True
     try:
         figures = _measure(engine, clock, prompt_len, decode_steps)
     finally:
         engine.stop_followers()
-    results.put(dict(tp=size, threads_per_rank=threads, bare_all_reduce_us=bare_us, **figures))
+    results.put(
+        dict(
+            tp=size,
+            threads_per_rank=threads,
+            bare_all_reduce_us=bare_us,
+            group_all_reduce_us=group_us,
+            **figures,
+        )
+    )
 
 
-BARE_CALLS = 400
-"""All-reduces timed by `_bare_all_reduce_us`, after 40 untimed."""
+TIMED_CALLS = 400
+"""All-reduces timed by `_all_reduce_us`, after 40 untimed."""
 
 
-def _bare_all_reduce_us(group: TPGroup, hidden_size: int) -> float:
-    """The bare library's price of one decode all-reduce (one row of `hidden_size`
-    floats), timed on these ranks before their engines load: what each of a step's
-    all-reduces costs at least. Every rank calls it (a collective); 0 at tp=1."""
+def _all_reduce_us(all_reduce, group: TPGroup, hidden_size: int) -> float:
+    """Microseconds of one decode all-reduce (a row of `hidden_size` floats) through
+    `all_reduce`, timed on these ranks before their engines load. Every rank calls it
+    (a collective); 0 at tp=1."""
     if not group.parallel:
         return 0.0
     row = torch.zeros(hidden_size)
     for _ in range(40):
-        group.all_reduce(row)
+        all_reduce(row)
     start = time.perf_counter()
-    for _ in range(BARE_CALLS):
-        group.all_reduce(row)
-    return (time.perf_counter() - start) / BARE_CALLS * 1e6
+    for _ in range(TIMED_CALLS):
+        all_reduce(row)
+    return (time.perf_counter() - start) / TIMED_CALLS * 1e6
 
 
 def _engine_config(model: str, threads: int, prompt_len: int, decode_steps: int):

@@ -7,6 +7,10 @@ group is torch.distributed's gloo on CPU, NCCL on CUDA, made straight on the sto
 the KV transport's pair groups (kv_transfer/transports/collective.py), so no
 `init_process_group` world exists and two workers in one process (tests) never meet.
 
+On a CPU the small all-reduces (a decode step's rows) go through a shared-memory
+segment of the group's own instead (`ShmAllReduce`): over loopback TCP each cost
+milliseconds of round trips, through memory microseconds.
+
 What the model and the lockstep channel call on it: `all_reduce` (in place, the partial
 sums of the row-parallel projections and of the vocab-parallel embedding),
 `all_gather` (the LM head's vocabulary slices), `broadcast` (rank 0's step inputs) and
@@ -27,6 +31,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from engine.parallel.shm_all_reduce import ShmAllReduce, shm_all_reduce_supported
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +63,9 @@ class TPGroup:
     group: object | None = field(default=None, compare=False)
     """The torch ProcessGroup; None when size is 1 (every call is then a no-op)."""
     device: str = "cpu"
+    shm: ShmAllReduce | None = field(default=None, compare=False)
+    """CPU ranks' all-reduce through shared memory, for the tensors it holds (a decode
+    step's rows); None on CUDA, or where it cannot run (`shm_all_reduce_supported`)."""
 
     @classmethod
     def single(cls, device: str = "cpu") -> TPGroup:
@@ -87,7 +96,16 @@ class TPGroup:
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
             options._timeout = timeout
             group = dist.ProcessGroupGloo(store, rank, size, options)
-        return cls(rank, size, group, device)
+        if not shm_all_reduce_supported(device):
+            return cls(rank, size, group, device)
+        shm = ShmAllReduce.join(
+            dist.PrefixStore("shm-all-reduce", store),
+            rank,
+            size,
+            barrier=lambda: group.allreduce([torch.zeros(1)]).wait(),
+            timeout_s=timeout_s,
+        )
+        return cls(rank, size, group, device, shm)
 
     @property
     def parallel(self) -> bool:
@@ -95,6 +113,8 @@ class TPGroup:
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over the ranks, in place; returns it."""
+        if self.shm is not None and self.shm.fits(tensor):
+            return self.shm.all_reduce(tensor)
         if self.group is not None:
             self.group.allreduce([tensor]).wait()
         return tensor
@@ -133,6 +153,8 @@ class TPGroup:
         """Drop the group (a peer died): nothing pending on it can complete later."""
         if self.group is None:
             return
+        if self.shm is not None:
+            self.shm.abort()
         try:
             self.group.abort()
         except Exception:  # already broken
