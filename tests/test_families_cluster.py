@@ -26,7 +26,7 @@ from tests.cluster_helpers import assert_cluster_leak_free, collect, tiny_cluste
 from tests.factories import NEW_FAMILIES, _hf_model, hf_greedy, make_engine
 from tests.inprocess_cluster import InProcessCluster
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_head")]
+pytestmark = pytest.mark.slow
 
 TRANSPORT = {
     "qwen3": "shm",
@@ -81,6 +81,7 @@ def test_each_family_disaggregated(family_model_dirs, family):
     _assert_each_kind(model_dir, asyncio.run(scenario()))
 
 
+@pytest.mark.usefixtures("ray_head")
 def test_experts_colocated_on_a_ray_cluster(family_model_dirs):
     model_dir = family_model_dirs["mixtral"]
     config = tiny_cluster_config(model_dir, mode="colocated", transport={"name": "local"})
@@ -136,6 +137,7 @@ def _assert_logprobs_equal_transformers(model_dir, prompt, chunks) -> None:
 MIGRATING = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
 
 
+@pytest.mark.usefixtures("ray_head")
 @pytest.mark.parametrize("family", KILLED)
 def test_a_decode_kill_mid_stream_loses_nothing(family_model_dirs, family, monkeypatch):
     """The stream's decode worker is killed after 12 tokens (past the window: a windowed
