@@ -34,14 +34,19 @@ class TransferRun:
 def measure_resharding(model: str, tp: int, prompt_len: int, prompts: int) -> list[TransferRun]:
     """Prefill tp=`tp` -> decode tp=1, then prefill tp=1 -> decode tp=1, on the same
     `prompts` random prompts of `prompt_len` tokens (after one warm-up request each)."""
-    token_lists = _prompts(prompts + 1, prompt_len)
+    from bench.engine_bench import _prompts
+    from engine.demo_model import resolve_model
+    from engine.model_spec import load_model_spec
+
+    vocab = load_model_spec(*resolve_model(model)).vocab_size
+    token_lists = _prompts(prompts + 1, prompt_len, vocab)
     return [asyncio.run(_one_cluster(model, prefill_tp, token_lists)) for prefill_tp in (tp, 1)]
 
 
 async def _one_cluster(model: str, prefill_tp: int, token_lists) -> TransferRun:
+    from bench.engine_bench import _greedy
     from cluster.config import ClusterConfig
     from cluster.flow.cluster import PDCluster
-    from engine.sampling_params import SamplingParams
 
     prompt_len = len(token_lists[0])
     config = ClusterConfig.from_dict(
@@ -57,7 +62,7 @@ async def _one_cluster(model: str, prefill_tp: int, token_lists) -> TransferRun:
             pin_cores=False,  # 2 + 1 processes on 2 cores: no core of its own for each
         )
     )
-    params = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
+    params = _greedy(OUTPUT_TOKENS)
     receipts = []
     async with PDCluster(config) as cluster:
         for tokens in token_lists:
@@ -74,11 +79,6 @@ async def _one_cluster(model: str, prefill_tp: int, token_lists) -> TransferRun:
         kv_transfer_ms=statistics.median(t["kv_transfer_s"] for t in timed) * 1e3,
         ttft_ms=statistics.median(t["ttft_s"] for t in timed) * 1e3,
     )
-
-
-def _prompts(count: int, length: int) -> list[list[int]]:
-    """Distinct token ids (within any vocabulary of 1000 and more), one list per prompt."""
-    return [[(7 * i + 13 * j) % 997 + 2 for j in range(length)] for i in range(count)]
 
 
 def format_transfer_report(runs: list[TransferRun], prompt_len: int, prompts: int) -> str:

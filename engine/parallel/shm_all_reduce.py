@@ -104,7 +104,7 @@ class ShmAllReduce:
         """Sum `tensor` (at most `SLOT_BYTES`) over the ranks, in place; returns it."""
         self._calls += 1
         call, phase = self._calls, self._calls % 2
-        flat = tensor.reshape(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+        flat = tensor.reshape(-1)  # a view, or a copy when `tensor` is not contiguous
         nbytes = flat.nbytes
         self._slots[phase, self.rank, :nbytes].copy_(flat.view(torch.uint8))
         self._posted[self.rank] = call
